@@ -1,0 +1,1 @@
+"""tokq's model runtime: architectures, checkpoint loading, attention and linear seams."""

@@ -1,0 +1,1 @@
+"""One file per architecture family, each written once on the engine's two seams."""

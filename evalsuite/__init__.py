@@ -1,0 +1,1 @@
+"""A/B quality metrics, paired statistics and the gate rules."""

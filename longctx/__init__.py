@@ -1,0 +1,1 @@
+"""Document loading, tokenized long windows, position buckets and retrieval probes."""

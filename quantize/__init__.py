@@ -1,0 +1,1 @@
+"""Quantization schemes, calibration and methods (rtn, awq, gptq, smoothquant, fp8). Built in a later issue."""

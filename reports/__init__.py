@@ -1,0 +1,1 @@
+"""Report writers: JSON (the source of truth), Markdown, HTML, JUnit."""
