@@ -1,0 +1,46 @@
+"""Gemma 3 (text): sliding-window and global layers with their own RoPE bases, QK-norm,
+four norms per block (pre and post around both attention and MLP), GeGLU, embeddings scaled
+by sqrt(hidden), (1 + w) RMSNorm weights, softmax scale from query_pre_attn_scalar.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokq.engine.attention import AttentionBackend, AttentionSpec, SelfAttention
+from tokq.engine.config import ModelConfig
+from tokq.engine.layers import GatedMLP, RMSNorm
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        spec = AttentionSpec(layer, config.attn_scale, config.layer_window(layer), config.attn_logit_softcap)
+        offset = config.norm_weight_offset
+        self.self_attn = SelfAttention(
+            layer,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            spec,
+            qkv_bias=config.qkv_bias,
+            o_bias=config.o_bias,
+            qk_norm_eps=config.rms_norm_eps,
+            norm_weight_offset=offset,
+        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), rope, backend)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
