@@ -1,0 +1,90 @@
+"""Real models from the zoo, end to end: pull, load, logits and perplexity against HF transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokq.engine.checkpoint import load_model
+from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+from tokq.evalsuite.perplexity import score_windows
+from tokq.longctx.documents import load_documents
+from tokq.longctx.windows import as_text_encoder, build_windows
+from tokq.zoo import resolve_model
+
+pytestmark = pytest.mark.integration
+
+
+def real_document(tmp_path: Path) -> Path:
+    """A real long document: a CPython standard-library module's source, copied as text."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    source = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
+    (folder / "argparse.txt").write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+    return folder
+
+
+def hf_model(checkpoint: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, local_files_only=True)
+    return model.eval()
+
+
+def hf_window_nll(model, tokens: list[int]) -> torch.Tensor:
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+
+
+@pytest.mark.parametrize("name,window", [("smollm2-135m", 512), ("gemma3-270m", 768)])
+def test_logits_and_perplexity_match_hf(name, window, tmp_path):
+    checkpoint = resolve_model(name)
+    ours = load_model(checkpoint, dtype="fp32")
+    hf = hf_model(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
+    add_bos = model_adds_bos(tokenizer)
+    assert add_bos == (name == "gemma3-270m")  # Gemma needs BOS, SmolLM2 does not use one
+
+    docs = load_documents(real_document(tmp_path))
+    # Gemma's window of 768 spans its 512-token sliding window, so local and global layers both matter.
+    windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), window, add_bos=add_bos, max_windows=2)
+    assert len(windows.windows) == 2
+    ids = torch.tensor([windows.windows[0].tokens])
+    with torch.no_grad():
+        expected = hf(ids).logits[0].float()
+    got = ours.logits(ids)[0].float()
+    max_diff = (got - expected).abs().max().item()
+    top1 = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(f"{name}: max|dlogit|={max_diff:.2e} top1={top1:.4f} over {ids.shape[1]} tokens")
+    assert max_diff < 2e-3
+    assert top1 > 0.998
+
+    ours_result = score_windows(ours, windows.windows)
+    hf_nll = sum(float(hf_window_nll(hf, w.tokens).double().sum()) for w in windows.windows)
+    hf_ppl = math.exp(hf_nll / sum(len(w.tokens) - 1 for w in windows.windows))
+    rel = abs(ours_result.perplexity - hf_ppl) / hf_ppl
+    print(f"{name}: ppl tokq={ours_result.perplexity:.4f} hf={hf_ppl:.4f} rel={rel:.2e}")
+    assert rel < 0.005
+    assert 1.0 < ours_result.perplexity < 50.0  # a sane model on Python source, not noise
+
+
+def test_score_cli_end_to_end(tmp_path):
+    from tokq.cli import main
+
+    data = real_document(tmp_path)
+    out = tmp_path / "score.json"
+    code = main(["score", "smollm2-135m", "--data", str(data), "--window", "256", "--max-tokens", "768",
+                 "--threads", "2", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["window"] == 256 and result["window_tokens"] <= 768
+    assert result["documents"][0]["doc_id"] == "argparse.txt"
+    assert 1.0 < result["perplexity"] < 50.0
+    assert result["runtime"]["threads"] == 2

@@ -1,0 +1,64 @@
+"""The `tokq` command line. Every command: --help, --json PATH, --threads, --device, --seed.
+
+Exit codes: 0 ok, 1 a check failed (a regression), 2 bad usage or input. Errors the user can fix
+print one line, `error: <what and how to fix>`, with no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from tokq import __version__
+from tokq.commands.data import data_app
+from tokq.commands.models import models_app
+from tokq.commands.score import score_cmd
+from tokq.errors import EXIT_BAD_INPUT, TokqError
+
+app = typer.Typer(
+    name="tokq",
+    help="Quantize LLMs, run them on tokq's engine, and gate releases on speed and long-document quality.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(models_app)
+app.add_typer(data_app)
+app.command("score")(score_cmd)
+
+
+@app.command("version")
+def version_cmd() -> None:
+    """Print tokq's version."""
+    print(__version__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=Console(stderr=True), show_time=False, show_path=False)])
+    try:
+        app(args=argv, prog_name="tokq", standalone_mode=False)
+    except TokqError as exc:
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc.message}", soft_wrap=True)
+        return exc.exit_code
+    except typer.Exit as exc:
+        return exc.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        Console(stderr=True).print("aborted")
+        return 130
+    except Exception as exc:  # click usage errors arrive as ClickException subclasses
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return EXIT_BAD_INPUT if exc.exit_code == 2 else exc.exit_code
+        raise
+    return 0
+
+
+def run() -> None:
+    sys.exit(main())

