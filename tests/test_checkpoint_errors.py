@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.test_models_vs_hf import BASE, make_hf_checkpoint
 from tokq.engine.checkpoint import load_model
 from tokq.engine.config import parse_config, read_config
 from tokq.errors import ModelError
-from tests.test_models_vs_hf import BASE, make_hf_checkpoint
 
 
 def test_missing_directory_names_it(tmp_path):

@@ -1,0 +1,37 @@
+"""Errors that reach the user as one clear line and an exit code.
+
+Exit codes are shared by every command: 0 ok, 1 a check failed (a regression), 2 bad usage or input.
+Library code raises these; the CLI prints `error: <message>` and exits with `exit_code`.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class TokqError(Exception):
+    """A problem the user can fix: the message names the thing and the fix."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ModelError(TokqError):
+    """A model or checkpoint that cannot be loaded (missing, corrupt, unsupported)."""
+
+
+class DataError(TokqError):
+    """A document folder or file that cannot be used."""
+
+
+class ZooError(TokqError):
+    """A zoo model that cannot be pulled."""
+
+
+class ConfigError(TokqError):
+    """A bad tokq.toml or command-line value."""
