@@ -50,12 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt):
         Console(stderr=True).print("aborted")
         return 130
-    except Exception as exc:  # click usage errors arrive as ClickException subclasses
-        import click
-
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:
+        # Usage errors arrive as (typer's vendored) click exceptions: they know how to show themselves.
+        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()
-            return EXIT_BAD_INPUT if exc.exit_code == 2 else exc.exit_code
+            return EXIT_BAD_INPUT
         raise
     return 0
 

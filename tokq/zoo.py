@@ -267,6 +267,9 @@ def resolve_model(name_or_path: str, pull: bool = True) -> Path:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
+    if "/" in name_or_path or name_or_path.startswith((".", "~")):
+        raise ModelError(f"model directory {name_or_path} does not exist: pass a checkpoint directory "
+                         "(config.json + *.safetensors), a zoo name (see `tokq models list`) or a tokq.toml variant")
     raise ModelError(
         f"model {name_or_path!r} not found: it is not a variant in tokq.toml, not a zoo model "
         f"({', '.join(ZOO)}), and no directory of that name exists"

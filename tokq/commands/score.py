@@ -29,7 +29,9 @@ def score_cmd(
 ) -> None:
     """Perplexity of MODEL on a folder of documents, per document and overall."""
     from tokq.engine.checkpoint import load_model
+    from tokq.engine.config import read_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.errors import DataError
     from tokq.evalsuite.perplexity import score_windows
     from tokq.longctx.documents import load_documents
     from tokq.longctx.windows import as_text_encoder, build_windows
@@ -39,28 +41,22 @@ def score_cmd(
     from tokq.zoo import resolve_model
 
     runtime = setup_runtime(threads, device, seed)
+    # Cheap checks first: the model's config, then the documents, before any weights are read.
+    checkpoint = resolve_model(model)
+    context = read_config(checkpoint).max_position_embeddings
+    if window > context:
+        raise DataError(f"--window {window} exceeds the context of {model} ({context} tokens): use --window {context} or less")
     if data is None:
         data = data_dir() / "default"
         if not data.is_dir():
-            from tokq.errors import DataError
-
             raise DataError(f"the default document set {data} is not built yet: run `tokq data build-default` or pass --data DIR")
-    docs = load_documents(data, strict=strict)
-    for skipped in docs.skipped:
-        console.print(f"[yellow]skipped[/] {skipped.path}: {skipped.reason}")
-    checkpoint = resolve_model(model)
+    docs = load_documents(data, strict=strict)  # skipped files are logged as warnings
     tokenizer = load_tokenizer(checkpoint)
     add_bos = model_adds_bos(tokenizer)
     windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), window, stride, add_bos, max_tokens)
     if not windows.windows:
-        from tokq.errors import DataError
-
         raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
     lm = load_model(checkpoint, dtype=dtype, device=runtime.device)
-    if window > lm.config.max_position_embeddings:
-        from tokq.errors import DataError
-
-        raise DataError(f"--window {window} exceeds {checkpoint.name}'s context of {lm.config.max_position_embeddings} tokens; use a smaller --window")
 
     columns = (TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
