@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"
