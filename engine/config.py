@@ -61,7 +61,6 @@ class ModelConfig:
     norm_weight_offset: float = 0.0
     embed_scale: float = 1.0
     attn_scale: float = 0.0  # softmax scale; set in __post_init__ when 0
-    attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)
@@ -189,6 +188,8 @@ def parse_config(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig
         raise ModelError(f"{where}: missing or invalid field {exc}; is this a complete HF config.json?") from exc
 
     if family == "gemma3":
+        # attn_logit_softcapping is a Gemma 2 leftover in Gemma 3 configs: Gemma 3 does not apply it
+        # (nor does HF's reference), so it is ignored here. The final-logit soft-cap is applied.
         return ModelConfig(
             **common,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -198,7 +199,6 @@ def parse_config(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig
             norm_weight_offset=1.0,
             embed_scale=math.sqrt(hidden),
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
             final_logit_softcap=cfg.get("final_logit_softcapping"),
         )
     is_qwen2 = arch == "Qwen2ForCausalLM"

@@ -58,6 +58,13 @@ CASES = {
             },
         ),
     ),
+    "gemma3-softcap": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(head_dim=16, num_hidden_layers=2, sliding_window=5, query_pre_attn_scalar=16,
+             attn_logit_softcapping=5.0, final_logit_softcapping=3.0,  # the former is unused by Gemma 3
+             layer_types=["sliding_attention", "full_attention"]),
+    ),
 }
 
 
@@ -71,7 +78,7 @@ def make_hf_checkpoint(case: str, path, seed: int = 0):
         # Random norm weights too, so a missing (1 + w) or a swapped norm cannot hide.
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(torch.rand_like(p) * 0.5 + 0.75 - (1.0 if case == "gemma3" else 0.0))
+                p.copy_(torch.rand_like(p) * 0.5 + 0.75 - (1.0 if case.startswith("gemma3") else 0.0))
     model.save_pretrained(path, safe_serialization=True)
     return model
 

@@ -16,7 +16,7 @@ from tokq.engine.layers import GatedMLP, RMSNorm
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        spec = AttentionSpec(layer, config.attn_scale, config.layer_window(layer), config.attn_logit_softcap)
+        spec = AttentionSpec(layer, config.attn_scale, config.layer_window(layer))
         offset = config.norm_weight_offset
         self.self_attn = SelfAttention(
             layer,
