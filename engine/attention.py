@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokq.engine.config import ModelConfig
 from tokq.engine.layers import Linear, RMSNorm, apply_rotary
 
 
@@ -119,3 +120,19 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.attend(q, k, v, self.spec)
         return self.o_proj(out.reshape(batch, length, self.q_size))
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, layer: int) -> SelfAttention:
+        """The layer's attention as the config describes it (window, biases, QK-norm, softmax scale)."""
+        return cls(
+            layer,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            AttentionSpec(layer, config.attn_scale, config.layer_window(layer)),
+            qkv_bias=config.qkv_bias,
+            o_bias=config.o_bias,
+            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+            norm_weight_offset=config.norm_weight_offset,
+        )
