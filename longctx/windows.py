@@ -12,7 +12,7 @@ begin, so that every document token is counted exactly once across a document's 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from tokq.errors import ConfigError, ModelError
@@ -148,6 +148,23 @@ class WindowSet:
         if self.stopped_by:
             notes.append(f"stopped early at {self.stopped_by}")
         return line + "".join(f"\n{n}" for n in notes)
+
+    def sample(self, count: int) -> WindowSet:
+        """`count` windows spread evenly over the whole set (deterministic), for a quick look at
+        every source of a large corpus. A sampled document is scored on its sampled windows only."""
+        if count < 1:
+            raise WindowConfigError(f"the number of sampled windows must be positive, got {count}")
+        if count >= len(self.windows):
+            return self
+        step = len(self.windows) / count
+        picked = [self.windows[int(i * step)] for i in range(count)]
+        return replace(
+            self,
+            windows=picked,
+            n_documents=len({w.doc_id for w in picked}),
+            n_tokens=sum(len(w.tokens) for w in picked),
+            stopped_by=f"sampled {count} of {len(self.windows)} windows",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

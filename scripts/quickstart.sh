@@ -9,5 +9,5 @@ TOKQ=.venv/bin/tokq
 mkdir -p tokq_out
 $TOKQ models pull smollm2-135m
 $TOKQ data build-default --model smollm2-135m --json tokq_out/default-data.json
-$TOKQ score smollm2-135m --window 2048 --max-tokens "${TOKQ_QUICKSTART_TOKENS:-32768}" --json tokq_out/score-smollm2-135m.json
+$TOKQ score smollm2-135m --window 2048 --sample-windows "${TOKQ_QUICKSTART_WINDOWS:-16}" --json tokq_out/score-smollm2-135m.json
 echo "done: see tokq_out/ (score-smollm2-135m.json, default-data.json)"

@@ -258,3 +258,22 @@ def test_hf_text_encoder_without_bos_token() -> None:
     assert enc.bos_token_id is None
     with pytest.raises(ModelError, match="needs a BOS token"):
         as_text_encoder(tiny_hf_tokenizer(with_bos=False), add_bos=True)
+
+
+def test_sample_spreads_over_documents_deterministically():
+    docs = [Document(f"d{i}.txt", Path(f"d{i}.txt"), " ".join(["w"] * 100)) for i in range(10)]
+
+    class Words:
+        bos_token_id = 0
+
+        def encode(self, text: str) -> list[int]:
+            return [len(w) for w in text.split()]
+
+    full = build_windows(docs, Words(), window=20)
+    assert len(full) == 50
+    sampled = full.sample(5)
+    assert len(sampled) == 5 and sampled.n_documents == 5
+    assert [w.doc_id for w in sampled.windows] == [w.doc_id for w in full.sample(5).windows]
+    assert sampled.n_tokens == sum(len(w.tokens) for w in sampled.windows)
+    assert "sampled 5 of 50" in sampled.summary()
+    assert full.sample(500) is full

@@ -20,6 +20,9 @@ def score_cmd(
     window: int = typer.Option(2048, "--window", help="Tokens per window (BOS included where the model uses one)."),
     stride: int = typer.Option(None, "--stride", help="Document tokens between window starts (default: no overlap)."),
     max_tokens: int = typer.Option(None, "--max-tokens", help="Stop after this many window tokens in total."),
+    sample_windows: int = typer.Option(
+        None, "--sample-windows", help="Score only this many windows, spread evenly over all documents."
+    ),
     dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype: fp32, bf16 (CPU) or fp16/bf16 (CUDA)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
     json_path: Path = typer.Option(None, "--json", help="Write the full result as JSON to this path."),
@@ -54,6 +57,8 @@ def score_cmd(
     tokenizer = load_tokenizer(checkpoint)
     add_bos = model_adds_bos(tokenizer)
     windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), window, stride, add_bos, max_tokens)
+    if sample_windows is not None:
+        windows = windows.sample(sample_windows)
     if not windows.windows:
         raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
     lm = load_model(checkpoint, dtype=dtype, device=runtime.device)
@@ -85,6 +90,7 @@ def score_cmd(
             "data_hash": docs.content_hash(),
             "window": window,
             "stride": windows.stride,
+            "windows": windows.to_dict(),
             "add_bos": add_bos,
             "dtype": dtype,
             "runtime": runtime.to_json(),
