@@ -3,7 +3,8 @@
     python benchmarks/forward.py [--model smollm2-135m] [--seqs 512 2048] [--repeats 5] [--threads 2]
 
 Runs are interleaved (tokq, HF, tokq, HF, ...) so machine noise hits both alike; the result is
-quoted as medians with min/max and as the tokq/HF ratio. The roofline is this machine's own dense
+quoted as medians with min/max, and as the median of paired ratios (HF time / tokq time of
+back-to-back runs, order alternating), which cancels slow drifts in load on a shared machine. The roofline is this machine's own dense
 fp32 GEMM rate measured in the same run: the forward at these lengths is compute bound, so
 achieved FLOP/s divided by that rate is the fraction of the hardware tokq reaches.
 Writes benchmarks/results/forward-<model>-<device>.json.
@@ -66,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -87,13 +88,18 @@ def main() -> None:
         for fn in runners.values():
             time_call(fn, ids)  # warm-up
         times: dict[str, list[float]] = {name: [] for name in runners}
-        for _ in range(args.repeats):
-            for name, fn in runners.items():
-                times[name].append(time_call(fn, ids))
+        for rep in range(args.repeats):
+            # Back-to-back pairs, order alternating, so drifts in machine load cancel in the paired ratio.
+            order = list(runners) if rep % 2 == 0 else list(reversed(runners))
+            for name in order:
+                times[name].append(time_call(runners[name], ids))
+        paired = [h / t for t, h in zip(times["tokq"], times["hf"], strict=True)]
         row = {"seq": seq, "flops": forward_flops(ours.config, seq)}
         for name in runners:
             row[name] = summary(times[name], seq)
         row["speedup_tokq_over_hf"] = row["tokq"]["tokens_per_s_median"] / row["hf"]["tokens_per_s_median"]
+        row["paired_speedup_median"] = statistics.median(paired)
+        row["paired_speedup_min"], row["paired_speedup_max"] = min(paired), max(paired)
         results.append(row)
         peaks.append(measure_gemm_peak())  # measured between rows too: the machine is shared and noisy
     peak = max(peaks)
@@ -105,7 +111,8 @@ def main() -> None:
               f"[{row['tokq']['tokens_per_s_min']:.1f}-{row['tokq']['tokens_per_s_max']:.1f}]  "
               f"hf {row['hf']['tokens_per_s_median']:8.1f} tok/s "
               f"[{row['hf']['tokens_per_s_min']:.1f}-{row['hf']['tokens_per_s_max']:.1f}]  "
-              f"ratio {row['speedup_tokq_over_hf']:.3f}  roofline tokq {row['tokq']['roofline_fraction']:.2f} "
+              f"ratio {row['speedup_tokq_over_hf']:.3f} (paired {row['paired_speedup_median']:.3f} "
+              f"[{row['paired_speedup_min']:.3f}-{row['paired_speedup_max']:.3f}])  roofline tokq {row['tokq']['roofline_fraction']:.2f} "
               f"hf {row['hf']['roofline_fraction']:.2f}")
 
     import transformers
