@@ -165,5 +165,13 @@ def load_model(
         rot.inv_freq = rope_inverse_frequencies(config.rope[kind], config.head_dim).to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, checkpoint_dir, torch_dtype)
+    # Quantized checkpoints (compressed-tensors, AutoGPTQ, AutoAWQ) load into quantized Linears;
+    # quant_checkpoint builds on this module, hence the import here.
+    from tokq.engine.quant_checkpoint import load_quantized_weights, read_quantization_config
+
+    quantization = read_quantization_config(checkpoint_dir, config.raw)
+    if quantization is None:
+        load_weights(model, checkpoint_dir, torch_dtype)
+    else:
+        load_quantized_weights(model, checkpoint_dir, torch_dtype, quantization)
     return model.eval()

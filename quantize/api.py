@@ -1,0 +1,95 @@
+"""`quantize_model`: run a method block by block over a loaded model, in place.
+
+The model must be loaded in fp32 (or the dtype the method should search in); every quantized
+Linear is swapped for its quantized form, so the same object can be scored right away or written
+out by `quantize.formats`.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from tokq.engine.models import CausalLM
+from tokq.errors import ConfigError
+from tokq.quantize.calibration import BlockContext, BlockwiseRunner, CalibrationSet
+from tokq.quantize.methods import awq, rtn, smoothquant
+from tokq.quantize.methods.base import MethodOptions
+from tokq.quantize.scheme import QuantScheme, preset
+
+METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "smoothquant": smoothquant, "fp8": rtn}
+try:
+    from tokq.quantize.methods import gptq
+
+    METHODS["gptq"] = gptq
+except ImportError:  # pragma: no cover - while quantize.gptq is being written
+    pass
+DEFAULT_SCHEMES = {"rtn": "w4a16", "awq": "w4a16", "gptq": "w4a16", "smoothquant": "w8a8-int8", "fp8": "w8a8-fp8"}
+NEEDS_CALIBRATION = {"awq", "gptq", "smoothquant"}
+
+
+@dataclass
+class QuantizeResult:
+    method: str
+    scheme: QuantScheme
+    options: MethodOptions
+    calibration: dict | None
+    seconds: float
+    peak_rss_mib: float
+    blocks: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "method": self.method, "scheme": self.scheme.to_json(), "options": self.options.to_json(),
+            "calibration": self.calibration, "seconds": self.seconds, "peak_rss_mib": self.peak_rss_mib,
+            "blocks": self.blocks,
+        }
+
+
+def check_method_scheme(method: str, scheme: QuantScheme) -> None:
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if method in ("awq", "gptq") and (scheme.weights.kind != "int" or scheme.activations is not None):
+        raise ConfigError(f"{method} quantizes integer weights with 16-bit activations (w4a16, w8a16); "
+                          f"scheme {scheme.name} does not fit it")
+    if method == "smoothquant" and scheme.activations is None:
+        raise ConfigError(f"smoothquant is for W8A8 schemes (w8a8-int8, w8a8-fp8); scheme {scheme.name} has "
+                          "16-bit activations")
+    if method == "fp8" and scheme.weights.kind != "float":
+        raise ConfigError(f"fp8 needs an fp8 scheme (w8a8-fp8, fp8-weight-only), not {scheme.name}")
+
+
+def quantize_model(
+    model: CausalLM,
+    method: str,
+    scheme: QuantScheme | str | None = None,
+    calibration: CalibrationSet | None = None,
+    options: MethodOptions | None = None,
+    on_block: Callable[[int], None] | None = None,
+    batch_size: int = 8,
+) -> QuantizeResult:
+    scheme = preset(scheme or DEFAULT_SCHEMES.get(method, "w4a16")) if not isinstance(scheme, QuantScheme) else scheme
+    check_method_scheme(method, scheme)
+    options = options or MethodOptions()
+    module = METHODS[method]
+    if method in NEEDS_CALIBRATION and calibration is None:
+        raise ConfigError(f"{method} needs calibration data (--calib DIR)")
+    started = time.perf_counter()
+    stats: list[dict] = []
+
+    def quantize_block(ctx: BlockContext) -> None:
+        stats.append({"block": ctx.index, **module.quantize_block(ctx, scheme, options)})
+
+    if calibration is None:  # RTN / fp8: no activations needed, visit blocks directly
+        for i, block in enumerate(model.model.layers):
+            quantize_block(BlockContext(i, block, None, None, batch_size))
+            if on_block:
+                on_block(i)
+    else:
+        BlockwiseRunner(model, calibration, batch_size).run(quantize_block, on_block)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return QuantizeResult(method, scheme, options, calibration.to_json() if calibration else None,
+                          time.perf_counter() - started, peak, stats)

@@ -1,0 +1,144 @@
+"""Calibration: token sequences from documents, and the block-by-block walk through the model.
+
+`calibration_samples` cuts the documents into windows of `seq_len` tokens (the model's BOS
+policy applied) and draws `num_samples` of them with a seeded RNG. `BlockwiseRunner` pushes all
+samples through the embeddings once, then visits the decoder blocks in order: a method quantizes
+block i on the inputs captured there, then the *quantized* block produces the inputs of block
+i + 1, so every block is calibrated on what the quantized model will really feed it. Peak
+memory is one block's activations for all samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokq.engine.attention import DenseCausalAttention
+from tokq.engine.layers import Linear
+from tokq.engine.models import CausalLM
+from tokq.errors import DataError
+
+log = logging.getLogger("tokq")
+
+
+@dataclass
+class CalibrationSet:
+    tokens: torch.Tensor  # [num_samples, seq_len] int64
+    source: str
+    data_hash: str
+    seed: int
+    requested: int
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def to_json(self) -> dict:
+        return {
+            "source": self.source, "data_hash": self.data_hash, "seed": self.seed,
+            "num_samples": self.num_samples, "requested_samples": self.requested, "seq_len": self.seq_len,
+            "tokens_hash": hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()[:16],
+        }
+
+
+def calibration_samples(
+    data: Path, tokenizer, add_bos: bool, num_samples: int, seq_len: int, seed: int = 0
+) -> CalibrationSet:
+    """Draw `num_samples` full windows of `seq_len` tokens from the documents under `data`."""
+    from tokq.longctx.documents import load_documents
+    from tokq.longctx.windows import as_text_encoder, build_windows
+
+    if num_samples < 1 or seq_len < 16:
+        raise DataError(f"calibration needs at least 1 sample of at least 16 tokens (got {num_samples} x {seq_len})")
+    docs = load_documents(data)
+    windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), seq_len, add_bos=add_bos,
+                            min_window_tokens=seq_len - int(add_bos))
+    full = [w for w in windows.windows if len(w.tokens) == seq_len]
+    if not full:
+        raise DataError(f"{data}: no document is long enough for one calibration window of {seq_len} tokens; "
+                        "use a smaller --seq-len or longer documents")
+    picked = random.Random(seed).sample(full, min(num_samples, len(full)))
+    if len(picked) < num_samples:
+        log.warning("calibration: asked for %d samples of %d tokens, %s has only %d; continuing with %d",
+                    num_samples, seq_len, data, len(full), len(picked))
+    tokens = torch.tensor([w.tokens for w in picked], dtype=torch.long)
+    return CalibrationSet(tokens, str(data), docs.content_hash(), seed, num_samples)
+
+
+@contextmanager
+def capture_inputs(modules: dict[str, nn.Module], sink: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Call sink(name, input) for every forward of each module while the context is open."""
+    handles = [m.register_forward_pre_hook(lambda _m, args, name=name: sink(name, args[0])) for name, m in modules.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class BlockContext:
+    """What a method needs to run block `index` on its calibration inputs."""
+
+    index: int
+    block: nn.Module
+    inputs: torch.Tensor  # [S, T, H] hidden states entering the block
+    rope: tuple[torch.Tensor, torch.Tensor]
+    batch_size: int
+
+    def linears(self) -> dict[str, Linear]:
+        return {name: m for name, m in self.block.named_modules() if isinstance(m, Linear)}
+
+    def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's outputs for `inputs` (default: its calibration inputs), in micro-batches."""
+        return self.run_sub(self.block, self.inputs if inputs is None else inputs, needs_rope=True)
+
+    def run_sub(self, module: nn.Module, inputs: torch.Tensor, needs_rope: bool = False) -> torch.Tensor:
+        """Run the block or one of its sub-modules (attention, MLP, a Linear) on [S, T, H] inputs.
+
+        The RoPE tables are [1, T, D] and broadcast over the micro-batch.
+        """
+        backend = DenseCausalAttention()
+        outs = []
+        with torch.inference_mode():
+            for start in range(0, inputs.shape[0], self.batch_size):
+                chunk = inputs[start : start + self.batch_size]
+                outs.append(module(chunk, self.rope, backend) if needs_rope else module(chunk))
+        return torch.cat(outs)
+
+
+class BlockwiseRunner:
+    """Walk the decoder blocks in order with calibration activations (see module docstring)."""
+
+    def __init__(self, model: CausalLM, calib: CalibrationSet, batch_size: int = 8):
+        self.model = model
+        self.calib = calib
+        self.batch_size = batch_size
+
+    def run(self, quantize_block: Callable[[BlockContext], None], on_block: Callable[[int], None] | None = None) -> None:
+        model, config = self.model, self.model.config
+        tokens = self.calib.tokens.to(model.device)
+        with torch.inference_mode():
+            hidden = model.model.embed_tokens(tokens)
+            if config.embed_scale != 1.0:
+                hidden = hidden * torch.tensor(config.embed_scale, dtype=hidden.dtype)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            ropes = {kind: rot.cos_sin(positions, hidden.dtype) for kind, rot in model.rotary.items()}
+        for i, block in enumerate(model.model.layers):
+            ctx = BlockContext(i, block, hidden, ropes[config.layer_types[i]], self.batch_size)
+            quantize_block(ctx)
+            hidden = ctx.forward()  # the quantized block feeds the next one
+            if on_block:
+                on_block(i)

@@ -1,0 +1,9 @@
+"""Checkpoint formats tokq writes. compressed-tensors is the one vLLM, SGLang and HF transformers all load.
+
+Reading (compressed-tensors, AutoGPTQ, AutoAWQ) lives in `tokq.engine.quant_checkpoint`: the engine
+loads checkpoints and never imports quantize.
+"""
+
+from tokq.quantize.formats.compressed_tensors import compress_weight, compression_format, save_quantized
+
+__all__ = ["compress_weight", "compression_format", "save_quantized"]

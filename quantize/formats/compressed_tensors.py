@@ -1,0 +1,250 @@
+"""Writing a quantized model as a compressed-tensors checkpoint (what vLLM, SGLang and HF transformers load).
+
+`save_quantized(model, scheme, out_dir)` writes the model whose Linears `quantize_model` made
+quantized: config.json (+ `quantization_config`), model.safetensors, and the tokenizer files copied
+from the source checkpoint. Tensors keep HF names; a merged Linear (qkv_proj, gate_up_proj) is split
+back into its per-projection tensors by row ranges.
+
+Formats, as compressed-tensors infers them from a scheme:
+
+- integer weights, 16-bit activations (w4a16, w8a16): `pack-quantized`. `weight_packed` int32
+  [N, ceil(K*b/32)]: codes shifted to unsigned (+2^(b-1)) and laid end to end along K, element i at
+  bit i*b of the little-endian word stream (8 per word for int4, 4 for int8); `weight_scale`
+  [N, G]; `weight_zero_point` (asymmetric only) packed the same way along N: [ceil(N*b/32), G];
+  `weight_shape` int64 [2].
+- integer weights with int8 activations (w8a8-int8): `int-quantized`: `weight` int8 [N, K] +
+  `weight_scale` [N, G] (+ `weight_zero_point` int8 [N, G] when asymmetric).
+- fp8 weights: `float-quantized` with fp8 activations (w8a8-fp8), `naive-quantized` weights-only:
+  `weight` float8_e4m3fn [N, K] + `weight_scale` [N, 1].
+
+Scales are written in the checkpoint dtype (as compressed-tensors does: the dtype the model was
+quantized in); pass `dtype=torch.float32` to keep tokq's fp32 scales bit-exact. Everything that is not
+quantized (embeddings, norms, lm_head, ignored layers, biases) is written in that dtype too.
+Bit widths 2 and 3 use the same dense packing (current compressed-tensors); vLLM runs 4 and 8 only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tokq import __version__ as TOKQ_VERSION
+from tokq.engine.layers import Linear
+from tokq.engine.models import CausalLM
+from tokq.engine.quant_linear import QuantizedLinearMethod
+from tokq.errors import TokqError
+from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
+from tokq.paths import atomic_directory
+from tokq.quantize.scheme import CHANNEL, QuantScheme
+
+log = logging.getLogger("tokq")
+
+# The compressed-tensors release whose layout this writer was checked against (packing, names, config).
+COMPRESSED_TENSORS_VERSION = "0.20.1"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+def pack_int32_dense(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned `bits`-bit values [R, C] -> int32 [R, ceil(C*bits/32)], element i at bit i*bits of the word stream."""
+    rows, cols = values.shape
+    words = -(-cols * bits // 32)
+    start = torch.arange(cols, device=values.device, dtype=torch.int64) * bits
+    acc = torch.zeros(rows, words + 1, dtype=torch.int64, device=values.device)
+    # Fields never overlap, so a sum is an OR; bits past 32 belong to the next word.
+    acc.index_add_(1, start // 32, values.to(torch.int64) << (start % 32))
+    low, spill = acc & 0xFFFFFFFF, acc >> 32
+    out = low[:, :words] + torch.cat([torch.zeros_like(spill[:, :1]), spill[:, : words - 1]], dim=1)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def compression_format(scheme: QuantScheme) -> str:
+    """The compressed-tensors format name for a scheme (the one compressed-tensors itself would infer)."""
+    if scheme.weights.kind == "float":
+        return "float-quantized" if scheme.activations is not None else "naive-quantized"
+    return "int-quantized" if scheme.activations is not None else "pack-quantized"
+
+
+def compress_weight(weight: QuantizedWeight, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One projection's quantized weight -> its compressed-tensors tensors (suffix -> tensor)."""
+    scale = weight.scale.to(dtype).contiguous()
+    if isinstance(weight, FP8Weight):
+        return {"weight": weight.q.contiguous(), "weight_scale": scale}
+    if fmt != "pack-quantized":
+        out = {"weight": weight.q.to(torch.int8).contiguous(), "weight_scale": scale}
+        if weight.zero is not None:
+            out["weight_zero_point"] = weight.zero.to(torch.int8).contiguous()
+        return out
+    offset = 1 << (weight.bits - 1)
+    out = {
+        "weight_packed": pack_int32_dense(weight.q.to(torch.int64) + offset, weight.bits),
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(list(weight.q.shape), dtype=torch.int64),
+    }
+    if weight.zero is not None:  # packed along the output dimension
+        out["weight_zero_point"] = pack_int32_dense(weight.zero.to(torch.int64).t() + offset, weight.bits).t().contiguous()
+    return out
+
+
+def _weight_args(scheme: QuantScheme) -> dict:
+    w = scheme.weights
+    channel = w.strategy == CHANNEL or w.kind == "float"
+    return {
+        "num_bits": w.bits, "type": w.kind, "symmetric": w.symmetric if w.kind == "int" else True,
+        "strategy": "channel" if channel else "group", "group_size": None if channel else w.group_size,
+        "dynamic": False, "observer": "minmax",
+    }
+
+
+def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
+    """config.json's `quantization_config` for a scheme (one config group targeting every Linear)."""
+    group: dict = {"targets": ["Linear"], "weights": _weight_args(scheme), "input_activations": None,
+                   "output_activations": None}
+    if scheme.activations is not None:
+        group["input_activations"] = {"num_bits": 8, "type": scheme.activations.kind, "symmetric": True,
+                                      "strategy": "token", "group_size": None, "dynamic": True}
+    return {
+        "quant_method": "compressed-tensors", "format": compression_format(scheme),
+        "config_groups": {"group_0": group}, "ignore": ignore, "kv_cache_scheme": None,
+        "quantization_status": "compressed", "global_compression_ratio": None, "sparsity_config": {},
+        "transform_config": {}, "version": COMPRESSED_TENSORS_VERSION,
+    }
+
+
+def _check_matches(name: str, weight: QuantizedWeight, act: str | None, scheme: QuantScheme) -> None:
+    w = scheme.weights
+    want_act = scheme.activations.name if scheme.activations else None
+    if isinstance(weight, FP8Weight):
+        ok = w.kind == "float"
+    else:
+        k = weight.q.shape[1]
+        group_size = k if w.strategy == CHANNEL else w.group_size
+        ok = (w.kind == "int" and weight.bits == w.bits and weight.group_size == group_size
+              and (weight.zero is None) == w.symmetric)
+    if not ok or act != want_act:
+        raise TokqError(f"{name} is quantized differently from scheme {scheme.name}; the checkpoint's config would "
+                        "not describe it: quantize the whole model with one scheme")
+
+
+def checkpoint_tensors(model: CausalLM, scheme: QuantScheme, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF-named tensors of the model (quantized projections compressed) and the names of unquantized Linears."""
+    fmt = compression_format(scheme)
+    tensors: dict[str, torch.Tensor] = {}
+    dense_linears: list[str] = []
+    tied = model.config.tie_word_embeddings
+    for module_name, module in model.named_modules():
+        if isinstance(module, QuantizedLinearMethod):
+            continue  # written through its Linear
+        if not isinstance(module, Linear):
+            for pname, param in module.named_parameters(recurse=False):
+                tensors[f"{module_name}.{pname}"] = param.detach().to("cpu", dtype).contiguous()
+            continue
+        parent = module_name.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        method = module.method
+        quantized = isinstance(method, QuantizedLinearMethod)
+        if quantized and hasattr(method, "input_perm"):
+            raise TokqError(f"{module_name} holds activation-ordered GPTQ weights (input permutation); compressed-tensors "
+                            "has no layout for them: quantize the 16-bit model with tokq instead")
+        for shard in module.shards:
+            name = f"{prefix}{shard.name}"
+            rows = slice(shard.offset, shard.offset + shard.size)
+            if module.bias is not None:
+                tensors[f"{name}.bias"] = module.bias.detach()[rows].to("cpu", dtype).contiguous()
+            if quantized:
+                weight = method.weight
+                _check_matches(name, weight, method.act, scheme)
+                if isinstance(weight, FP8Weight):
+                    part = FP8Weight(weight.q[rows].cpu(), weight.scale[rows].cpu())
+                else:
+                    zero = None if weight.zero is None else weight.zero[rows].cpu()
+                    part = IntWeight(weight.q[rows].cpu(), weight.scale[rows].cpu(), zero, weight.bits, weight.group_size)
+                for suffix, t in compress_weight(part, fmt, dtype).items():
+                    tensors[f"{name}.{suffix}"] = t
+            else:
+                dense_linears.append(name)
+                if not (module is model.lm_head and tied):
+                    tensors[f"{name}.weight"] = module.weight.detach()[rows].to("cpu", dtype).contiguous()
+    return tensors, dense_linears
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """model.safetensors, or shards + index when larger than MAX_SHARD_BYTES (HF's naming)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+
+
+def save_quantized(
+    model: CausalLM,
+    scheme: QuantScheme,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    force: bool = False,
+    provenance: dict | None = None,
+) -> Path:
+    """Write `model` (its quantized Linears as made by `quantize_model`) as a compressed-tensors checkpoint.
+
+    `source_dir`: the checkpoint the model was loaded from; its tokenizer files are copied.
+    `dtype`: for scales and unquantized tensors; default the source checkpoint's dtype (bf16 if unknown).
+    `provenance`: what produced it (method, calibration, versions); written to tokq_quantization.json.
+    The directory appears complete or not at all; an existing one is replaced only with `force=True`.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise TokqError(f"{out_dir} already exists; choose another --out or pass --force to replace it")
+    raw = copy.deepcopy(model.config.raw)
+    if dtype is None:
+        dtype = {"float32": torch.float32, "float16": torch.float16}.get(
+            str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
+    if dtype not in DTYPE_NAMES:
+        raise TokqError(f"checkpoint dtype {dtype} is not supported: use bfloat16, float16 or float32")
+    if not any(isinstance(m, QuantizedLinearMethod) for m in model.modules()):
+        raise TokqError("the model has no quantized layers: run quantize_model before saving")
+    tensors, dense_linears = checkpoint_tensors(model, scheme, dtype)
+    ignore = ["lm_head"] + [n for n in dense_linears if n != "lm_head"]
+    raw.pop("quantization_config", None)
+    raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = DTYPE_NAMES[dtype]
+    raw["quantization_config"] = quantization_config(scheme, ignore)
+    with atomic_directory(out_dir) as tmp:
+        _write_safetensors(tensors, tmp)
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if source_dir is not None:
+            for fname in TOKENIZER_FILES:
+                if (Path(source_dir) / fname).is_file():
+                    shutil.copy2(Path(source_dir) / fname, tmp / fname)
+        else:
+            log.warning("no source checkpoint given: %s gets no tokenizer files", out_dir)
+        record = {"tokq_version": TOKQ_VERSION, "scheme": scheme.to_json(), "format": compression_format(scheme),
+                  **(provenance or {})}
+        (tmp / "tokq_quantization.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    return out_dir

@@ -1,0 +1,131 @@
+"""AWQ (Lin et al., arXiv 2306.00978): activation-aware per-channel scales, then a clipping search.
+
+Per block:
+1. Capture the inputs X of every linear on the calibration set (dense block).
+2. For each scale mapping (norm -> qkv, norm -> gate/up, up -> down, v -> o without GQA), grid
+   search s = mean|X|^a / mean|W~|^(1-a) over a in [0, 1), normalised, minimising the output
+   error of the module the linear feeds (the attention for qkv, the MLP for gate/up, the linear
+   itself otherwise) when W*s is fake-quantized and X/s is fed in. Fold the best s into the
+   producer (norm weight or earlier linear's rows) and the consumer's columns.
+3. Re-capture the inputs (now X/s) and search, per output row and group, the clip ratio of the
+   weight range that minimises ||X W^T - X Q(W)^T||; q/k rows are left unclipped (attention
+   scores, not the projection, are what matters for them).
+4. Quantize with the chosen clip and install the quantized linears.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokq.engine.layers import Linear
+from tokq.quantize.calibration import BlockContext
+from tokq.quantize.mappings import block_mappings, fold_scales_
+from tokq.quantize.methods.base import (
+    MethodOptions,
+    block_linears,
+    capture_block_inputs,
+    install_,
+    quantize_weight,
+)
+from tokq.quantize.quantizer import fake_quantize
+from tokq.quantize.scheme import QuantScheme, WeightArgs
+
+
+def _weight_magnitude(w: torch.Tensor, args: WeightArgs) -> torch.Tensor:
+    """Mean over rows of |w| normalised by its group's max: AWQ's per-input-channel weight salience."""
+    n, k = w.shape
+    groups = args.groups_for(k) if args.kind == "int" else 1
+    g = w.abs().view(n, groups, k // groups)
+    g = g / g.amax(dim=-1, keepdim=True).clamp_min(1e-8)
+    return g.view(n, k).mean(0)
+
+
+@torch.no_grad()
+def search_scales(
+    ctx: BlockContext, linear: Linear, x: torch.Tensor, inspect: torch.nn.Module, needs_rope: bool,
+    args: WeightArgs, grid: int,
+) -> tuple[torch.Tensor, dict]:
+    """Best per-input-channel scale for `linear` given its inputs x [S, T, K] (see module docstring)."""
+    original = linear.weight.data.clone()
+    w = original.float()
+    reference = ctx.run_sub(inspect, x, needs_rope).float()
+    x_mean = x.abs().reshape(-1, x.shape[-1]).mean(0)
+    w_mean = _weight_magnitude(w, args)
+    best = (float("inf"), None, None)
+    losses = []
+    try:
+        for i in range(grid):
+            ratio = i / grid
+            s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp_min(1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            linear.weight.copy_((fake_quantize(w * s, args) / s).to(original.dtype))
+            out = ctx.run_sub(inspect, x, needs_rope).float()
+            loss = (out - reference).pow(2).mean().item()
+            losses.append(loss)
+            if loss < best[0]:
+                best = (loss, ratio, s.clone())
+    finally:
+        linear.weight.copy_(original)
+    if best[2] is None:  # every grid point gave NaN: leave the channel scales alone
+        return torch.ones_like(x_mean), {"ratio": None, "loss": None}
+    return best[2], {"ratio": best[1], "loss": best[0], "loss_unscaled": losses[0]}
+
+
+@torch.no_grad()
+def search_clip(w: torch.Tensor, x: torch.Tensor, args: WeightArgs, grid: int, rows_per_chunk: int = 256) -> torch.Tensor:
+    """Per (row, group) clip ratio in (0.5, 1] minimising the group's output error on tokens x [T, K]."""
+    n, k = w.shape
+    groups = args.groups_for(k)
+    size = k // groups
+    xg = x.float().view(-1, groups, size)  # [T, G, gs]
+    best_ratio = torch.ones(n, groups)
+    for start in range(0, n, rows_per_chunk):
+        wc = w[start : start + rows_per_chunk].float()
+        wg = wc.view(-1, groups, size)
+        ref = torch.einsum("tgs,ngs->tng", xg, wg)
+        best_err = torch.full((wc.shape[0], groups), float("inf"))
+        ratios = torch.ones(wc.shape[0], groups)
+        for i in range(grid):
+            ratio = 1.0 - 0.5 * i / grid
+            q = fake_quantize(wc, args, clip_ratio=ratio).view(-1, groups, size)
+            err = (torch.einsum("tgs,ngs->tng", xg, q) - ref).pow(2).mean(0)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            ratios = torch.where(better, torch.full_like(ratios, ratio), ratios)
+        best_ratio[start : start + rows_per_chunk] = ratios
+    return best_ratio
+
+
+def quantize_block(ctx: BlockContext, scheme: QuantScheme, options: MethodOptions) -> dict:
+    args = scheme.weights
+    linears = block_linears(ctx, scheme)
+    for name, lin in linears.items():
+        if args.kind == "int":
+            args.check_divides(lin.in_features, f"model.layers.{ctx.index}.{name}")
+    stats: dict = {}
+    inputs = capture_block_inputs(ctx, linears, samples=options.awq_search_samples)
+    for mapping in block_mappings(ctx.block):
+        if mapping.linear not in linears:
+            continue
+        linear = linears[mapping.linear]
+        inspect = ctx.block.get_submodule(mapping.inspect) if mapping.inspect else linear
+        scales, info = search_scales(ctx, linear, inputs[mapping.linear], inspect, mapping.inspect == "self_attn",
+                                     args, options.awq_grid)
+        fold_scales_(ctx.block, mapping, scales)
+        stats[mapping.name] = info
+    # Inputs after folding (X / s): what the clipping search must see.
+    inputs = capture_block_inputs(ctx, linears, samples=options.awq_search_samples)
+    weights = {}
+    for name, lin in linears.items():
+        clip = 1.0
+        if args.kind == "int":
+            x = inputs[name].reshape(-1, lin.in_features)
+            step = max(1, x.shape[0] // options.awq_clip_tokens)
+            clip = search_clip(lin.weight, x[::step][: options.awq_clip_tokens], args, options.awq_clip_grid)
+            for shard in lin.shards:
+                if shard.name in ("q_proj", "k_proj"):
+                    clip[shard.offset : shard.offset + shard.size] = 1.0
+            stats[f"{name}.mean_clip"] = float(clip.mean())
+        weights[name] = quantize_weight(lin.weight, scheme, f"model.layers.{ctx.index}.{name}", clip)
+    install_(ctx, scheme, weights)
+    return stats

@@ -1,0 +1,69 @@
+"""What every method shares: options, capturing a block's linear inputs, quantizing and installing weights."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tokq.engine.layers import Linear
+from tokq.engine.quant_linear import quantize_linear_
+from tokq.kernels.reference import QuantizedWeight
+from tokq.quantize.calibration import BlockContext, capture_inputs
+from tokq.quantize.quantizer import check_finite, quantize_fp8, quantize_rtn
+from tokq.quantize.scheme import QuantScheme
+
+
+@dataclass
+class MethodOptions:
+    # AWQ
+    awq_grid: int = 20  # scale exponents tried in [0, 1)
+    awq_clip_grid: int = 20  # clip ratios tried in (0.5, 1]
+    awq_search_samples: int = 16  # calibration sequences used by the searches (of all captured)
+    awq_clip_tokens: int = 512  # tokens used by the clipping search
+    # GPTQ
+    act_order: bool = False
+    damp: float = 0.01
+    gptq_block_size: int = 128
+    true_sequential: bool = True
+    # SmoothQuant
+    alpha: float | None = 0.5  # None: search alpha per block
+    alpha_grid: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def block_linears(ctx: BlockContext, scheme: QuantScheme) -> dict[str, Linear]:
+    """The block's Linears that the scheme quantizes (scheme.ignore matches full module names)."""
+    out = {}
+    for name, module in ctx.linears().items():
+        full = f"model.layers.{ctx.index}.{name}"
+        if not any(fnmatch.fnmatch(full, pat) or fnmatch.fnmatch(name, pat) for pat in scheme.ignore):
+            out[name] = module
+    return out
+
+
+def capture_block_inputs(ctx: BlockContext, linears: dict[str, Linear], samples: int | None = None) -> dict[str, torch.Tensor]:
+    """Run the block on (the first `samples` of) its calibration inputs; return each linear's inputs [S, T, K]."""
+    captured: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+    inputs = ctx.inputs if samples is None else ctx.inputs[:samples]
+    with capture_inputs(linears, lambda name, x: captured[name].append(x.detach().float())):
+        ctx.forward(inputs)
+    return {name: torch.cat(chunks) for name, chunks in captured.items()}
+
+
+def quantize_weight(weight: torch.Tensor, scheme: QuantScheme, layer: str, clip_ratio=1.0) -> QuantizedWeight:
+    check_finite(weight, "weight", layer)
+    if scheme.weights.kind == "float":
+        return quantize_fp8(weight.float())
+    scheme.weights.check_divides(weight.shape[1], layer)
+    return quantize_rtn(weight.float(), scheme.weights, clip_ratio)
+
+
+def install_(ctx: BlockContext, scheme: QuantScheme, weights: dict[str, QuantizedWeight]) -> None:
+    """Swap the block's Linears for their quantized forms (activations quantized per the scheme)."""
+    act = scheme.activations.name if scheme.activations else None
+    for name, weight in weights.items():
+        quantize_linear_(ctx.block.get_submodule(name), weight, act)

@@ -1,0 +1,38 @@
+"""GPTQ (Frantar et al., arXiv 2210.17323) applied block by block.
+
+Within a block the linears are quantized in execution order (qkv, o, gate/up, down) when
+`true_sequential` is on: each one's Hessian is collected with the earlier ones already
+quantized, so later layers learn to compensate for the earlier layers' rounding, as they will
+see it at run time. The per-layer algorithm lives in `quantize.gptq`.
+"""
+
+from __future__ import annotations
+
+from tokq.engine.quant_linear import quantize_linear_
+from tokq.quantize.calibration import BlockContext, capture_inputs
+from tokq.quantize.gptq import HessianAccumulator, gptq_quantize
+from tokq.quantize.methods.base import MethodOptions, block_linears
+
+EXECUTION_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def quantize_block(ctx: BlockContext, scheme, options: MethodOptions) -> dict:
+    linears = block_linears(ctx, scheme)
+    for name, lin in linears.items():
+        scheme.weights.check_divides(lin.in_features, f"model.layers.{ctx.index}.{name}")
+    ordered = [n for n in EXECUTION_ORDER if n in linears] + [n for n in linears if n not in EXECUTION_ORDER]
+    steps = [[n] for n in ordered] if options.true_sequential else [ordered]
+    stats: dict = {}
+    act = scheme.activations.name if scheme.activations else None
+    for step in steps:
+        hessians = {n: HessianAccumulator(linears[n].in_features) for n in step}
+        with capture_inputs({n: linears[n] for n in step}, lambda n, x, h=hessians: h[n].add(x)):
+            ctx.forward()
+        for n in step:
+            result = gptq_quantize(
+                linears[n].weight.float(), hessians[n].hessian, scheme.weights, act_order=options.act_order,
+                damp=options.damp, block_size=options.gptq_block_size, layer_name=f"model.layers.{ctx.index}.{n}",
+            )
+            stats[n] = {"proxy_error": result.proxy_error, "damp": result.damp_used}
+            quantize_linear_(linears[n], result.weight, act)
+    return stats

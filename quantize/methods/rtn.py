@@ -1,0 +1,14 @@
+"""Round-to-nearest: each group's min/max (or abs-max) grid, no calibration. The baseline to beat."""
+
+from __future__ import annotations
+
+from tokq.quantize.calibration import BlockContext
+from tokq.quantize.methods.base import MethodOptions, block_linears, install_, quantize_weight
+from tokq.quantize.scheme import QuantScheme
+
+
+def quantize_block(ctx: BlockContext, scheme: QuantScheme, options: MethodOptions) -> dict:
+    linears = block_linears(ctx, scheme)
+    weights = {name: quantize_weight(lin.weight, scheme, f"model.layers.{ctx.index}.{name}") for name, lin in linears.items()}
+    install_(ctx, scheme, weights)
+    return {}
