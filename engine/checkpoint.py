@@ -125,29 +125,37 @@ def checkpoint_targets(model: CausalLM) -> dict[str, TensorTarget]:
     return targets
 
 
-def load_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.dtype) -> None:
-    targets = checkpoint_targets(model)
-    filled: set[str] = set()
-    for name, tensor in iter_tensors(checkpoint_dir):
-        target = targets.get(name)
-        if target is None:
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue
-            if not name.endswith(IGNORED_SUFFIXES):
-                log.warning("%s: tensor %s is not used by the %s runtime", checkpoint_dir, name, model.config.architecture)
-            continue
-        dest = target.param.data if target.row_offset is None else target.param.data.narrow(0, target.row_offset, target.rows)
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ModelError(
-                f"{checkpoint_dir}: tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
-                f"{tuple(dest.shape)}; the weights and config.json do not belong together"
-            )
-        dest.copy_(tensor.to(dtype))
-        filled.add(name)
+def copy_dense_tensor(model: CausalLM, targets: dict[str, TensorTarget], name: str, tensor: torch.Tensor,
+                      dtype: torch.dtype, checkpoint_dir: Path, filled: set[str]) -> None:
+    """Copy one 16/32-bit checkpoint tensor into its parameter (or merged-Linear rows), checking its shape."""
+    target = targets.get(name)
+    if target is None:
+        if not (name == "lm_head.weight" and model.config.tie_word_embeddings) and not name.endswith(IGNORED_SUFFIXES):
+            log.warning("%s: tensor %s is not used by the %s runtime", checkpoint_dir, name, model.config.architecture)
+        return
+    dest = target.param.data if target.row_offset is None else target.param.data.narrow(0, target.row_offset, target.rows)
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ModelError(
+            f"{checkpoint_dir}: tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
+            f"{tuple(dest.shape)}; the weights and config.json do not belong together"
+        )
+    dest.copy_(tensor.to(dtype))
+    filled.add(name)
+
+
+def check_all_filled(targets: dict[str, TensorTarget], filled: set[str], checkpoint_dir: Path) -> None:
     missing = sorted(set(targets) - filled)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelError(f"{checkpoint_dir}: weights missing from the safetensors: {', '.join(missing[:3])}{more}")
+
+
+def load_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.dtype) -> None:
+    targets = checkpoint_targets(model)
+    filled: set[str] = set()
+    for name, tensor in iter_tensors(checkpoint_dir):
+        copy_dense_tensor(model, targets, name, tensor, dtype, checkpoint_dir, filled)
+    check_all_filled(targets, filled, checkpoint_dir)
 
 
 def load_model(

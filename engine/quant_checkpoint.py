@@ -47,9 +47,10 @@ import torch
 from safetensors import safe_open
 
 from tokq.engine.checkpoint import (
-    IGNORED_SUFFIXES,
     _check_safetensors_file,
+    check_all_filled,
     checkpoint_targets,
+    copy_dense_tensor,
     iter_tensors,
     safetensors_files,
 )
@@ -582,18 +583,7 @@ def load_quantized_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.d
                 entry.install(fmt, device, dtype)
                 installed += 1
             continue
-        target = targets.get(name)
-        if target is None:
-            if not (name == "lm_head.weight" and model.config.tie_word_embeddings) and not name.endswith(IGNORED_SUFFIXES):
-                log.warning("%s: tensor %s is not used by the %s runtime", checkpoint_dir, name, model.config.architecture)
-            continue
-        dest = target.param.data if target.row_offset is None else target.param.data.narrow(0, target.row_offset, target.rows)
-        _check_shape(name, tensor, tuple(dest.shape), fix="by config.json")
-        dest.copy_(tensor.to(dtype))
-        filled.add(name)
-    missing = sorted(set(targets) - filled)
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelError(f"{checkpoint_dir}: weights missing from the safetensors: {', '.join(missing[:3])}{more}")
+        copy_dense_tensor(model, targets, name, tensor, dtype, checkpoint_dir, filled)
+    check_all_filled(targets, filled, checkpoint_dir)
     if installed == 0:
         log.warning("%s: quantization_config says %s but no layer has quantized tensors", checkpoint_dir, fmt.method)
