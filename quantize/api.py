@@ -10,7 +10,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 from tokq.engine.models import CausalLM
@@ -18,7 +18,7 @@ from tokq.errors import ConfigError
 from tokq.quantize.calibration import BlockContext, BlockwiseRunner, CalibrationSet
 from tokq.quantize.methods import awq, rtn, smoothquant
 from tokq.quantize.methods.base import MethodOptions
-from tokq.quantize.scheme import QuantScheme, preset
+from tokq.quantize.scheme import CHANNEL, GROUP, QuantScheme, preset
 
 METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "smoothquant": smoothquant, "fp8": rtn}
 try:
@@ -60,6 +60,63 @@ def check_method_scheme(method: str, scheme: QuantScheme) -> None:
                           "16-bit activations")
     if method == "fp8" and scheme.weights.kind != "float":
         raise ConfigError(f"fp8 needs an fp8 scheme (w8a8-fp8, fp8-weight-only), not {scheme.name}")
+
+
+def linear_input_sizes(config) -> dict[str, int]:
+    """Input size of each kind of decoder Linear (what a weight group size must divide)."""
+    q_out = config.num_heads * config.head_dim
+    return {"q/k/v/gate/up_proj": config.hidden_size, "o_proj": q_out, "down_proj": config.intermediate_size}
+
+
+def resolve_scheme(
+    method: str,
+    config,
+    scheme: str | None = None,
+    bits: int | None = None,
+    group_size: int | None = None,
+    symmetric: bool | None = None,
+) -> tuple[QuantScheme, list[str]]:
+    """The scheme a `tokq quantize` call asks for, checked against the model; plus notes for the user.
+
+    `group_size=-1` means per-channel. Without an explicit group size, a preset's 128 that does not
+    divide a layer falls back to the largest of 128/64/32 that divides every layer (noted), since
+    small models (SmolLM2's hidden 576) cannot use 128; an explicit size that does not divide is an error.
+    """
+    base = preset(scheme or DEFAULT_SCHEMES.get(method, "w4a16"))
+    check_method_scheme(method, base)
+    changes: dict = {}
+    if bits is not None:
+        changes["bits"] = bits
+    if symmetric is not None:
+        changes["symmetric"] = symmetric
+    if group_size is not None:
+        changes.update(strategy=CHANNEL, group_size=None) if group_size == -1 else changes.update(
+            strategy=GROUP, group_size=group_size)
+    if base.weights.kind == "float" and (bits not in (None, 8) or group_size not in (None, -1) or symmetric is False):
+        raise ConfigError(f"scheme {base.name} is fp8 e4m3 with per-channel scales: --bits, --group-size and "
+                          "--asym do not apply")
+    resolved = base.with_weights(**changes) if changes else base
+    notes: list[str] = []
+    sizes = linear_input_sizes(config)
+    w = resolved.weights
+    if w.strategy == GROUP and any(k % w.group_size for k in sizes.values()):
+        if group_size is not None:
+            layer, k = next((n, k) for n, k in sizes.items() if k % w.group_size)
+            w.check_divides(k, f"every {layer}")  # raises, naming the layer and the valid sizes
+        fallback = next((g for g in (128, 64, 32) if all(k % g == 0 for k in sizes.values())), None)
+        if fallback is None:
+            raise ConfigError(f"no group size of 128, 64 or 32 divides this model's layer input sizes "
+                              f"({', '.join(f'{n}: {k}' for n, k in sizes.items())}); use --group-size -1 (per-channel)")
+        notes.append(f"group size {w.group_size} does not divide this model's layers "
+                     f"({', '.join(f'{n}: {k}' for n, k in sizes.items())}); using {fallback}")
+        resolved = resolved.with_weights(group_size=fallback)
+    if resolved != base:
+        w = resolved.weights
+        suffix = [f"w{w.bits}" if w.bits != base.weights.bits else "",
+                  ("sym" if w.symmetric else "asym") if w.symmetric != base.weights.symmetric else "",
+                  ("g" + str(w.group_size)) if w.strategy == GROUP else "channel"]
+        resolved = replace(resolved, name=f"{base.name}-" + "-".join(x for x in suffix if x))
+    return resolved, notes
 
 
 def quantize_model(

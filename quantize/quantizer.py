@@ -63,10 +63,21 @@ def quantize_rtn(w: torch.Tensor, args: WeightArgs, clip_ratio: torch.Tensor | f
 
 
 def fake_quantize(w: torch.Tensor, args: WeightArgs, clip_ratio: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """w rounded onto its quantization grid, as fp32 (what the quantized model will compute with)."""
+    """w rounded onto its quantization grid, as fp32 (what the quantized model will compute with).
+
+    The searches call this hundreds of times per block, so it stays in fp32 (no int8 codes) and
+    skips the NaN scan that `quantize_weight` does once per layer. Same values as
+    `quantize_rtn(w, args, clip_ratio).dequantize()`.
+    """
     if args.kind == "float":
         return quantize_fp8(w).dequantize()
-    return quantize_rtn(w, args, clip_ratio).dequantize()
+    scale, zero = int_qparams(w, args, clip_ratio)
+    g = _grouped(w.float(), args)
+    s = scale.unsqueeze(-1)
+    if zero is None:
+        return (torch.round(g / s).clamp(args.qmin, args.qmax) * s).reshape(w.shape)
+    z = zero.float().unsqueeze(-1)
+    return ((torch.round(g / s + z).clamp(args.qmin, args.qmax) - z) * s).reshape(w.shape)
 
 
 def quantize_fp8(w: torch.Tensor) -> FP8Weight:

@@ -56,3 +56,48 @@ def find_variant(name: str) -> Path | None:
         raise ConfigError(f"{path}: variant {name!r} needs a checkpoint path (a string or {{ path = \"...\" }})")
     resolved = Path(target).expanduser()
     return resolved if resolved.is_absolute() else path.parent / resolved
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def record_variant(name: str, checkpoint: Path, fields: dict[str, str], config: Path | None = None) -> Path:
+    """Add or replace `name = { path = ..., **fields }` in tokq.toml's [variants] table.
+
+    The file is edited as text (comments and other tables survive) and written atomically; it is
+    created in the working directory when no tokq.toml is found. Paths are stored relative to the file
+    when they sit below it, so a project folder can move.
+    """
+    from tokq.paths import atomic_write_text
+
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"variant name {name!r} must be letters, digits, '-' or '_' (it is a TOML key)")
+    path = config or find_config() or Path.cwd() / CONFIG_NAME
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if text:
+        load_config(path)  # refuse to edit a file that does not parse
+    checkpoint = checkpoint.resolve()
+    try:
+        stored = checkpoint.relative_to(path.parent.resolve()).as_posix()
+    except ValueError:
+        stored = str(checkpoint)
+    entry = ", ".join(f"{k} = {_toml_string(v)}" for k, v in {"path": stored, **fields}.items())
+    line = f"{name} = {{ {entry} }}"
+    lines = text.splitlines()
+    header = next((i for i, raw in enumerate(lines) if raw.strip() == "[variants]"), None)
+    if header is None:
+        lines += ([""] if lines else []) + ["[variants]", line]
+    else:
+        end = next((i for i in range(header + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+        key = [i for i in range(header + 1, end) if lines[i].split("=", 1)[0].strip().strip('"') == name]
+        if key:
+            lines[key[0]] = line
+        else:
+            insert = end
+            while insert > header + 1 and not lines[insert - 1].strip():
+                insert -= 1  # keep blank lines before the next table
+            lines.insert(insert, line)
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    load_config(path)
+    return path

@@ -21,7 +21,7 @@ class MethodOptions:
     awq_grid: int = 20  # scale exponents tried in [0, 1)
     awq_clip_grid: int = 20  # clip ratios tried in (0.5, 1]
     awq_search_samples: int = 16  # calibration sequences used by the searches (of all captured)
-    awq_clip_tokens: int = 512  # tokens used by the clipping search
+    awq_clip_tokens: int = 4096  # tokens used by the clipping search (its cost is one Gram matrix)
     # GPTQ
     act_order: bool = False
     damp: float = 0.01

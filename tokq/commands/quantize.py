@@ -1,0 +1,170 @@
+"""`tokq quantize --method M --model X --out DIR`: quantize a model and write a compressed-tensors checkpoint.
+
+Order of work: every cheap check first (method/scheme fit, group size against the model's layer
+sizes, output directory, calibration folder), then load the model, draw calibration windows,
+quantize block by block with progress, write the checkpoint atomically (an interrupted run
+leaves no directory that looks complete) and optionally record it as a tokq.toml variant.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from tokq import __version__
+
+console = Console(stderr=True)
+
+
+def _parse_alpha(alpha: str | None, method: str) -> tuple[bool, float | None]:
+    """(given, value): --alpha is a number in [0, 1] or 'search' (value None), SmoothQuant only."""
+    from tokq.errors import ConfigError
+
+    if alpha is None:
+        return False, None
+    if method != "smoothquant":
+        raise ConfigError(f"--alpha is SmoothQuant's migration strength; it does not apply to --method {method}")
+    if alpha == "search":
+        return True, None
+    try:
+        value = float(alpha)
+    except ValueError:
+        raise ConfigError(f"--alpha {alpha!r}: give a number in [0, 1] (e.g. 0.5) or 'search'") from None
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"--alpha {value} is outside [0, 1]: 0 keeps activations as they are, 1 moves all scale to weights")
+    return True, value
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def quantize_cmd(
+    method: str = typer.Option(..., "--method", help="rtn, awq, gptq, smoothquant or fp8."),
+    model: str = typer.Option(..., "--model", help="Checkpoint directory, zoo name (pulled on demand) or tokq.toml variant."),
+    out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to (must not exist)."),
+    scheme: str = typer.Option(
+        None, "--scheme", help="w4a16, w4a16-asym, w8a16, w8a8-int8, w8a8-fp8 or fp8-weight-only (default: the method's)."
+    ),
+    bits: int = typer.Option(None, "--bits", help="Integer weight bits (2, 3, 4, 8) overriding the scheme's."),
+    group_size: int = typer.Option(None, "--group-size", help="Weight group size (32, 64, 128...; -1: per-channel)."),
+    sym: bool = typer.Option(None, "--sym/--asym", help="Symmetric (no zero point) or asymmetric integer weights."),
+    act_order: bool = typer.Option(False, "--act-order", help="GPTQ: quantize columns by decreasing activation energy."),
+    damp: float = typer.Option(0.01, "--damp", help="GPTQ: Hessian dampening as a fraction of its mean diagonal."),
+    alpha: str = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.5) or 'search'."),
+    calib: Path = typer.Option(None, "--calib", help="Folder of calibration documents (default: the default long-document set)."),
+    num_samples: int = typer.Option(32, "--num-samples", help="Calibration windows to draw."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
+    name: str = typer.Option(None, "--name", help="Record the result as this variant in tokq.toml (e.g. int4)."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+    save_dtype: str = typer.Option("auto", "--save-dtype", help="dtype of scales and 16-bit tensors: auto (the source's), bf16, fp16, fp32."),
+    json_path: Path = typer.Option(None, "--json", help="Write the run record (scheme, calibration, per-block stats) as JSON."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]: where blocks are quantized."),
+    seed: int = typer.Option(0, "--seed", help="Seed for drawing calibration windows (recorded)."),
+) -> None:
+    """Quantize MODEL with METHOD and write a checkpoint that tokq, vLLM and HF transformers load."""
+    from tokq.engine.checkpoint import load_model, parse_dtype
+    from tokq.engine.config import read_config
+    from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.errors import ConfigError, DataError
+    from tokq.paths import data_dir
+    from tokq.project import record_variant
+    from tokq.quantize.api import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
+    from tokq.quantize.calibration import calibration_samples
+    from tokq.quantize.formats.compressed_tensors import save_quantized
+    from tokq.quantize.methods.base import MethodOptions
+    from tokq.reports.json_io import write_json
+    from tokq.runtime import setup_runtime
+    from tokq.zoo import resolve_model
+
+    if method not in METHODS:
+        raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")
+    if act_order and method != "gptq":
+        raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
+    alpha_given, alpha_value = _parse_alpha(alpha, method)
+    if out.exists() and not force:
+        raise ConfigError(f"{out} already exists; choose another --out or pass --force to replace it")
+    runtime = setup_runtime(threads, device, seed)
+    checkpoint = resolve_model(model)
+    config = read_config(checkpoint)
+    resolved, notes = resolve_scheme(method, config, scheme, bits, group_size, sym)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+    dtype = None if save_dtype == "auto" else parse_dtype(save_dtype)
+    calibration = None
+    if method in NEEDS_CALIBRATION:
+        if calib is None:
+            calib = data_dir() / "default"
+            if not calib.is_dir():
+                raise DataError(f"the default document set {calib} is not built yet: run `tokq data build-default` "
+                                "or pass --calib DIR")
+        tokenizer = load_tokenizer(checkpoint)
+        if seq_len > config.max_position_embeddings:
+            raise DataError(f"--seq-len {seq_len} exceeds the context of {model} ({config.max_position_embeddings} tokens)")
+        calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), num_samples, seq_len, seed)
+    elif calib is not None:
+        console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
+
+    options = MethodOptions(act_order=act_order, damp=damp)
+    if alpha_given:
+        options.alpha = alpha_value
+    # Methods search and quantize in fp32 on CPU (bf16 matmuls there are slow and less exact).
+    lm = load_model(checkpoint, dtype="fp32", device=runtime.device)
+    dense_bytes = 2 * sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values())
+    blocks = len(lm.model.layers)
+    calib_desc = (f"{calibration.num_samples} x {calibration.seq_len} tokens from {calibration.source}"
+                  if calibration else "none")
+    console.print(f"quantizing {model} with {method} ({resolved.name}); calibration: {calib_desc}; "
+                  f"{runtime.device}, {runtime.threads} threads")
+    columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("blocks", total=blocks)
+        result = quantize_model(lm, method, resolved, calibration, options, on_block=lambda _i: progress.advance(task))
+    started_save = time.perf_counter()
+    provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
+                  "result": result.to_json(), "runtime": runtime.to_json()}
+    save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
+    save_seconds = time.perf_counter() - started_save
+    disk = _dir_bytes(out)
+    peak_gpu = None
+    if str(runtime.device).startswith("cuda"):
+        import torch
+
+        peak_gpu = torch.cuda.max_memory_allocated(runtime.device)
+
+    table = Table(title=f"{model} -> {out} ({method}, {resolved.name})")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("quantize time", f"{result.seconds:.1f} s ({result.seconds / blocks:.1f} s/block)")
+    table.add_row("write time", f"{save_seconds:.1f} s")
+    table.add_row("peak RSS", f"{result.peak_rss_mib:,.0f} MiB")
+    if peak_gpu is not None:
+        table.add_row("peak GPU memory", _mib(peak_gpu))
+    table.add_row("size on disk", f"{_mib(disk)} ({disk / dense_bytes:.2f}x the 16-bit model's {_mib(dense_bytes)})")
+    Console().print(table)
+    if name:
+        toml = record_variant(name, out, {"method": method, "scheme": resolved.name, "model": model})
+        console.print(f"recorded variant [bold]{name}[/] in {toml}: `tokq score {name}` now uses {out}")
+    if json_path:
+        write_json(json_path, {
+            "tokq_version": __version__, "command": "quantize", "model": model, "checkpoint": str(checkpoint),
+            "out": str(out), "variant": name, "size_bytes": disk, "dense_16bit_bytes": dense_bytes,
+            "write_seconds": save_seconds, "peak_gpu_bytes": peak_gpu, **provenance,
+        })
