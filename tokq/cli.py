@@ -43,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=Console(stderr=True), show_time=False, show_path=False)])
     try:
-        app(args=argv, prog_name="tokq", standalone_mode=False)
+        # Without standalone mode typer turns Ctrl-C into a returned exit code (130) instead of raising.
+        code = app(args=argv, prog_name="tokq", standalone_mode=False)
+        if isinstance(code, int) and code:
+            if code == 130:
+                Console(stderr=True).print("aborted")
+            return code
     except TokqError as exc:
         Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc.message}", soft_wrap=True)
         return exc.exit_code
