@@ -3,8 +3,10 @@ import os
 import pytest
 import torch
 
-# Tests run on 2 shared cores; fixed threads make timings and reductions repeatable.
-torch.set_num_threads(int(os.environ.get("TOKQ_TEST_THREADS", "2")))
+# Tests run on 2 shared cores with tiny shapes: one thread avoids OpenMP threads spinning on each
+# other (measured 6 s vs 118 s for test_methods.py while another job held the cores), and fixed
+# threads make reductions repeatable.
+torch.set_num_threads(int(os.environ.get("TOKQ_TEST_THREADS", "1")))
 
 
 @pytest.fixture(autouse=True)

@@ -36,11 +36,17 @@ class MethodOptions:
 
 
 def block_linears(ctx: BlockContext, scheme: QuantScheme) -> dict[str, Linear]:
-    """The block's Linears that the scheme quantizes (scheme.ignore matches full module names)."""
+    """The block's Linears that the scheme quantizes (scheme.ignore matches full module names).
+
+    Their weights are checked for NaN/Inf here, before a method uses them: folded into scales (AWQ,
+    SmoothQuant), a bad weight would spread into its producer's rows and be reported as that layer's.
+    """
     out = {}
     for name, module in ctx.linears().items():
         full = f"model.layers.{ctx.index}.{name}"
         if not any(fnmatch.fnmatch(full, pat) or fnmatch.fnmatch(name, pat) for pat in scheme.ignore):
+            if module.weight is not None:
+                check_finite(module.weight, "weight", full)
             out[name] = module
     return out
 
