@@ -65,7 +65,8 @@ def check_method_scheme(method: str, scheme: QuantScheme) -> None:
 def linear_input_sizes(config) -> dict[str, int]:
     """Input size of each kind of decoder Linear (what a weight group size must divide)."""
     q_out = config.num_heads * config.head_dim
-    return {"q/k/v/gate/up_proj": config.hidden_size, "o_proj": q_out, "down_proj": config.intermediate_size}
+    return {"model.layers.*.{q,k,v,gate,up}_proj": config.hidden_size, "model.layers.*.self_attn.o_proj": q_out,
+            "model.layers.*.mlp.down_proj": config.intermediate_size}
 
 
 def resolve_scheme(
@@ -102,7 +103,7 @@ def resolve_scheme(
     if w.strategy == GROUP and any(k % w.group_size for k in sizes.values()):
         if group_size is not None:
             layer, k = next((n, k) for n, k in sizes.items() if k % w.group_size)
-            w.check_divides(k, f"every {layer}")  # raises, naming the layer and the valid sizes
+            w.check_divides(k, layer)  # raises, naming the layers and the valid sizes
         fallback = next((g for g in (128, 64, 32) if all(k % g == 0 for k in sizes.values())), None)
         if fallback is None:
             raise ConfigError(f"no group size of 128, 64 or 32 divides this model's layer input sizes "

@@ -488,7 +488,7 @@ def test_group_size_must_divide_every_layer(method, tmp_path):
 
 def test_resolve_scheme_group_size(tmp_path):
     config = load_model(write_checkpoint(tmp_path, "llama", num_hidden_layers=1)).config
-    with pytest.raises(ConfigError, match=r"every down_proj's input size 96; valid group sizes: 32"):
+    with pytest.raises(ConfigError, match=r"model\.layers\.\*\.mlp\.down_proj's input size 96; valid group sizes: 32"):
         resolve_scheme("awq", config, group_size=64)
     scheme, notes = resolve_scheme("awq", config)  # the preset's 128 does not fit: falls back to 32, noted
     assert scheme.weights.group_size == 32 and scheme.name == "w4a16-g32"
