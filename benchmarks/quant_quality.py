@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import sys
@@ -55,8 +56,8 @@ RUNS = {
     for r in (
         Run("rtn", "rtn", "w4"),
         Run("awq", "awq", "w4"),
-        Run("gptq", "gptq", "w4"),
-        Run("gptq-actorder", "gptq", "w4", {"act_order": True}),
+        Run("gptq", "gptq", "w4"),  # tokq's default: static-group act-order
+        Run("gptq-no-actorder", "gptq", "w4", {"act_order": False}),
         Run("w8a8-int8-rtn", "rtn", "w8a8-int8"),
         Run("smoothquant", "smoothquant", "w8a8-int8"),
         Run("smoothquant-search", "smoothquant", "w8a8-int8", {"alpha": None}),
@@ -131,6 +132,8 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=Protocol.eval_windows)
     ap.add_argument("--eval-window", type=int, default=Protocol.eval_window)
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: results/quant-quality-<model>-cpu.json)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other methods' rows of an existing JSON made with the same protocol and calibration")
     args = ap.parse_args()
     unknown = [m for m in args.methods.split(",") if m not in RUNS]
     if unknown:
@@ -149,6 +152,12 @@ def main() -> None:
           f"calibration {calibration.num_samples}x{calibration.seq_len}", flush=True)
 
     rows: dict[str, dict] = {}
+    if args.merge and out_path.is_file():
+        old = json.loads(out_path.read_text())
+        if old.get("protocol") == protocol.to_json() and old.get("calibration") == calibration.to_json():
+            rows.update({k: v for k, v in old["runs"].items() if k not in args.methods.split(",")})
+        else:
+            print(f"--merge: {out_path} was made with another protocol or calibration; starting afresh")
     record = {
         "benchmark": "quant_quality", "tokq_version": __version__, "model": args.model,
         "device": "cpu", "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),

@@ -88,6 +88,10 @@ def capture_inputs(modules: dict[str, nn.Module], sink: Callable[[str, torch.Ten
             h.remove()
 
 
+class _StopForward(Exception):
+    """Raised by a capture hook to end a forward whose remaining work is not needed."""
+
+
 @dataclass
 class BlockContext:
     """What a method needs to run block `index` on its calibration inputs."""
@@ -104,6 +108,27 @@ class BlockContext:
     def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """The block's outputs for `inputs` (default: its calibration inputs), in micro-batches."""
         return self.run_sub(self.block, self.inputs if inputs is None else inputs, needs_rope=True)
+
+    def capture(
+        self, modules: dict[str, nn.Module], sink: Callable[[str, torch.Tensor], None], stop_after: str | None = None
+    ) -> None:
+        """Feed the calibration inputs through the block, calling sink(name, input) for each module, and
+        cut every micro-batch's forward short once `stop_after` has seen its input: what runs after
+        it cannot change the inputs being collected (GPTQ's true-sequential steps save most of a
+        block forward this way)."""
+
+        def record(name: str, x: torch.Tensor) -> None:
+            sink(name, x)
+            if name == stop_after:
+                raise _StopForward
+
+        backend = DenseCausalAttention()
+        with torch.inference_mode(), capture_inputs(modules, record):
+            for start in range(0, self.inputs.shape[0], self.batch_size):
+                try:
+                    self.block(self.inputs[start : start + self.batch_size], self.rope, backend)
+                except _StopForward:
+                    pass
 
     def run_sub(self, module: nn.Module, inputs: torch.Tensor, needs_rope: bool = False) -> torch.Tensor:
         """Run the block or one of its sub-modules (attention, MLP, a Linear) on [S, T, H] inputs.

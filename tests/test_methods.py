@@ -196,7 +196,7 @@ MAX_RATIO = {"awq": 0.75, "awq-asym": 0.75, "gptq": 0.8, "gptq-act-order": 0.8, 
 W4_RUNS = {  # name -> (method, scheme, options)
     "rtn": ("rtn", W4G32, {}),
     "awq": ("awq", W4G32, {}),
-    "gptq": ("gptq", W4G32, {}),
+    "gptq": ("gptq", W4G32, {"act_order": False}),
     "gptq-act-order": ("gptq", W4G32, {"act_order": True}),
     "rtn-asym": ("rtn", W4G32_ASYM, {}),
     "awq-asym": ("awq", W4G32_ASYM, {}),
@@ -533,3 +533,35 @@ def test_quantized_model_roundtrip(case, method, scheme, tmp_path):
     # fp32 scales, codes and folded norms are stored exactly and both run the reference kernel: bit-exact.
     assert torch.equal(got, expected), f"max |dlogit| {(got - expected).abs().max().item():.3e}"
     assert not torch.equal(got, dense.logits(ids))  # and it really is the quantized model
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_capture_stopping_early_sees_the_same_inputs(case, tmp_path):
+    """BlockContext.capture cuts each forward after `stop_after`; the inputs it records must be the
+    ones a full forward records (GPTQ's Hessians are built from them)."""
+    from tokq.quantize.calibration import BlockwiseRunner
+    from tokq.quantize.methods.gptq import EXECUTION_ORDER
+
+    model = load_model(write_checkpoint(tmp_path, case))  # gemma3: sliding and full attention layers
+    calib = CalibrationSet(CALIB.tokens[:5], "random", "-", 0, 5)
+    checked = []
+
+    def compare(ctx):
+        linears = {n: ctx.block.get_submodule(n) for n in EXECUTION_ORDER}
+        for stop in EXECUTION_ORDER:
+            full: dict[str, list] = {n: [] for n in linears}
+            with capture_inputs(linears, lambda n, x, full=full: full[n].append(x.clone())):
+                ctx.forward()
+            early: dict[str, list] = {n: [] for n in linears}
+            ctx.capture(linears, lambda n, x, early=early: early[n].append(x.clone()), stop_after=stop)
+            upto = EXECUTION_ORDER[: EXECUTION_ORDER.index(stop) + 1]
+            for n in linears:
+                if n in upto:
+                    assert len(early[n]) == len(full[n]) == 3  # 5 samples in micro-batches of 2
+                    assert all(torch.equal(a, b) for a, b in zip(early[n], full[n], strict=True)), (stop, n)
+                else:
+                    assert early[n] == [], f"{n} ran after stop_after={stop}"
+        checked.append(ctx.index)
+
+    BlockwiseRunner(model, calib, batch_size=2).run(compare)
+    assert checked == list(range(len(model.model.layers)))

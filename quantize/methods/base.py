@@ -23,7 +23,9 @@ class MethodOptions:
     awq_search_samples: int = 16  # calibration sequences used by the searches (of all captured)
     awq_clip_tokens: int = 4096  # tokens used by the clipping search (its cost is one Gram matrix)
     # GPTQ
-    act_order: bool = False
+    # Static-group act-order by default (as llm-compressor does): better columns first, and the
+    # stored layout stays group-contiguous, so kernels and checkpoints are unaffected.
+    act_order: bool = True
     damp: float = 0.01
     gptq_block_size: int = 128
     true_sequential: bool = True

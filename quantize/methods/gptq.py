@@ -9,7 +9,7 @@ see it at run time. The per-layer algorithm lives in `quantize.gptq`.
 from __future__ import annotations
 
 from tokq.engine.quant_linear import quantize_linear_
-from tokq.quantize.calibration import BlockContext, capture_inputs
+from tokq.quantize.calibration import BlockContext
 from tokq.quantize.gptq import HessianAccumulator, gptq_quantize
 from tokq.quantize.methods.base import MethodOptions, block_linears
 
@@ -26,8 +26,10 @@ def quantize_block(ctx: BlockContext, scheme, options: MethodOptions) -> dict:
     act = scheme.activations.name if scheme.activations else None
     for step in steps:
         hessians = {n: HessianAccumulator(linears[n].in_features) for n in step}
-        with capture_inputs({n: linears[n] for n in step}, lambda n, x, h=hessians: h[n].add(x)):
-            ctx.forward()
+        # The step's last linear (in execution order) is the last input needed: stop each forward there
+        # (unless the step holds a linear whose place in the order is unknown).
+        stop = step[-1] if all(n in EXECUTION_ORDER for n in step) else None
+        ctx.capture({n: linears[n] for n in step}, lambda n, x, h=hessians: h[n].add(x), stop_after=stop)
         for n in step:
             result = gptq_quantize(
                 linears[n].weight.float(), hessians[n].hessian, scheme.weights, act_order=options.act_order,

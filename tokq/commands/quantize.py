@@ -65,7 +65,10 @@ def quantize_cmd(
     bits: int = typer.Option(None, "--bits", help="Integer weight bits (2, 3, 4, 8) overriding the scheme's."),
     group_size: int = typer.Option(None, "--group-size", help="Weight group size (32, 64, 128...; -1: per-channel)."),
     sym: bool = typer.Option(None, "--sym/--asym", help="Symmetric (no zero point) or asymmetric integer weights."),
-    act_order: bool = typer.Option(False, "--act-order", help="GPTQ: quantize columns by decreasing activation energy."),
+    act_order: bool = typer.Option(
+        None, "--act-order/--no-act-order",
+        help="GPTQ: quantize columns by decreasing activation energy, with static groups (default: on).",
+    ),
     damp: float = typer.Option(0.01, "--damp", help="GPTQ: Hessian dampening as a fraction of its mean diagonal."),
     alpha: str = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.5) or 'search'."),
     calib: Path = typer.Option(None, "--calib", help="Folder of calibration documents (default: the default long-document set)."),
@@ -96,7 +99,7 @@ def quantize_cmd(
 
     if method not in METHODS:
         raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")
-    if act_order and method != "gptq":
+    if act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
     alpha_given, alpha_value = _parse_alpha(alpha, method)
     if out.exists() and not force:
@@ -122,7 +125,9 @@ def quantize_cmd(
     elif calib is not None:
         console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
 
-    options = MethodOptions(act_order=act_order, damp=damp)
+    options = MethodOptions(damp=damp)
+    if act_order is not None:
+        options.act_order = act_order
     if alpha_given:
         options.alpha = alpha_value
     # Methods search and quantize in fp32 on CPU (bf16 matmuls there are slow and less exact).
