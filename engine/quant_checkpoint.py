@@ -56,7 +56,7 @@ from tokq.engine.checkpoint import (
 )
 from tokq.engine.layers import Linear
 from tokq.engine.models import CausalLM
-from tokq.engine.quant_linear import QuantizedLinearMethod, quantize_linear_
+from tokq.engine.quant_linear import InputPermutedLinearMethod, quantize_linear_  # noqa: F401 (re-exported: tests, writers)
 from tokq.errors import ModelError
 from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
 
@@ -437,21 +437,6 @@ def quant_format(qc: dict, where: str) -> QuantFormat:
 # Merging shards and installing them
 
 
-class InputPermutedLinearMethod(QuantizedLinearMethod):
-    """A quantized weight whose input columns were reordered (activation order): x is permuted to match."""
-
-    def __init__(self, weight: QuantizedWeight, input_perm: torch.Tensor, act: str | None = None):
-        super().__init__(weight, act)
-        self.register_buffer("input_perm", input_perm)
-
-    @property
-    def name(self) -> str:
-        return f"{super().name}+actorder"
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return super().apply(layer, x.index_select(-1, self.input_perm))
-
-
 def _contiguous_perm(shards: list[ShardWeight], group_size: int) -> torch.Tensor | None:
     """One input permutation that makes every shard's groups contiguous, or None if they disagree."""
     g_idx = next(s.g_idx for s in shards if s.g_idx is not None)
@@ -498,9 +483,8 @@ def _install(layer: Linear, module_name: str, shards: list[ShardWeight], device:
             return
         weight.q = weight.q[:, perm].contiguous()
     weight = _to_device(weight, device)
-    quantize_linear_(layer, weight, act)  # checks the shape, drops the dense weight
-    if perm is not None:
-        layer.method = InputPermutedLinearMethod(weight, perm.to(device), act)
+    # Checks the shape, drops the dense weight, chooses the layer's kernel (the layer computes in `dtype`).
+    quantize_linear_(layer, weight, act, input_perm=None if perm is None else perm.to(device))
 
 
 def _dequantize_with_g_idx(s: ShardWeight) -> torch.Tensor:

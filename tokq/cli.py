@@ -15,6 +15,7 @@ from rich.logging import RichHandler
 
 from tokq import __version__
 from tokq.commands.data import data_app
+from tokq.commands.kernels import kernels_app
 from tokq.commands.models import models_app
 from tokq.commands.quantize import quantize_cmd
 from tokq.commands.score import score_cmd
@@ -29,6 +30,7 @@ app = typer.Typer(
 )
 app.add_typer(models_app)
 app.add_typer(data_app)
+app.add_typer(kernels_app)
 app.command("score")(score_cmd)
 app.command("quantize")(quantize_cmd)
 
