@@ -10,14 +10,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 $VPY -m pip install --quiet --upgrade pip
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build onto CPU-only machines.
-if ! $VPY -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    $VPY -m pip install --quiet "torch>=2.5"
-  else
-    $VPY -m pip install --quiet "torch==${TOKQ_TORCH_VERSION:-2.13.0}"
-  fi
-fi
+# torch first (pinned on CPU machines): see scripts/install_torch.sh.
+bash scripts/install_torch.sh "$VPY"
 if [ -n "$EXTRAS" ]; then
   $VPY -m pip install --quiet -e ".[$EXTRAS]"
 else
