@@ -62,6 +62,7 @@ RUNS = {
         Run("smoothquant", "smoothquant", "w8a8-int8"),
         Run("smoothquant-search", "smoothquant", "w8a8-int8", {"alpha": None}),
         Run("fp8", "fp8", "w8a8-fp8"),
+        Run("fp8-smoothquant", "smoothquant", "w8a8-fp8"),  # SmoothQuant's migration, then FP8 W8A8
         Run("fp8-weight-only", "fp8", "fp8-weight-only"),
     )
 }
@@ -117,6 +118,14 @@ def targets(rows: dict[str, dict], model: str) -> dict:
         if method in rows and model == "smollm2-135m":
             secs = rows[method]["quantize_seconds"]
             out[f"{method}_minutes"] = {"value": secs / 60, "target": "<= 10", "met": secs <= 600}
+    peer_file = RESULTS / f"peer-quant-{model}.json"
+    if peer_file.is_file():  # llm-compressor's FP8_DYNAMIC on the same model, judged by the same evaluator
+        peer = json.loads(peer_file.read_text()).get("methods", {}).get("fp8", {}).get("peer", {}).get("summary")
+        for name in ("fp8", "fp8-smoothquant"):
+            if peer and name in kl:
+                out[f"{name}_vs_llmcompressor_fp8_dynamic"] = {
+                    "value": kl[name] / peer["kl_mean"], "peer_kl_mean": peer["kl_mean"], "target": "<= 1",
+                    "met": kl[name] <= peer["kl_mean"]}
     if "smoothquant" in kl and "w8a8-int8-rtn" in kl:
         out["smoothquant_vs_plain_w8a8"] = {"value": kl["smoothquant"] / kl["w8a8-int8-rtn"], "target": "< 1",
                                             "met": kl["smoothquant"] < kl["w8a8-int8-rtn"]}
