@@ -145,6 +145,7 @@ def test_group_size_that_does_not_divide_names_layer_and_sizes(capsys, project, 
     (["--method", "rtn", "--act-order"], "--act-order is a GPTQ option"),
     (["--method", "awq", "--alpha", "0.5"], "--alpha is SmoothQuant's migration strength"),
     (["--method", "smoothquant", "--alpha", "1.5"], "--alpha 1.5 is outside [0, 1]"),
+    (["--method", "fp8", "--scheme", "fp8-weight-only", "--alpha", "0.5"], "nothing to smooth"),
     (["--method", "smoothquant", "--alpha", "lots"], "give a number in [0, 1]"),
     (["--method", "rtn", "--scheme", "w5"], "unknown scheme 'w5'"),
     (["--method", "rtn", "--bits", "5"], "integer weights of 5 bits are not supported"),
@@ -203,3 +204,16 @@ def test_interrupted_write_leaves_nothing_that_looks_complete(capsys, project, c
     assert not (project / "out").exists()
     assert not list(project.glob(".out*")), "temporary directory left behind"
     assert not (project / "tokq.toml").exists(), "variant recorded for a checkpoint that was never written"
+
+
+def test_fp8_with_alpha_smooths_before_fp8(capsys, project, checkpoint, docs):
+    out = project / "fp8s"
+    code, text = quantize(capsys, checkpoint, out, "--method", "fp8", "--alpha", "0.5", "--calib", docs,
+                          "--num-samples", 4, "--seq-len", 64, "--json", project / "run.json")
+    assert code == 0, text
+    record = json.loads((project / "run.json").read_text())
+    assert record["method"] == "fp8" and record["result"]["method"] == "smoothquant"
+    assert record["result"]["options"]["alpha"] == 0.5 and record["result"]["calibration"]["num_samples"] == 4
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["weights"]["type"] == "float"
+    assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] is True

@@ -29,12 +29,13 @@ console = Console(stderr=True)
 
 
 def _parse_alpha(alpha: str | None, method: str) -> tuple[bool, float | None]:
-    """(given, value): --alpha is a number in [0, 1] or 'search' (value None), SmoothQuant only."""
+    """(given, value): --alpha is a number in [0, 1] or 'search' (value None); SmoothQuant's, or fp8's
+    optional migration before FP8 W8A8."""
     from tokq.errors import ConfigError
 
     if alpha is None:
         return False, None
-    if method != "smoothquant":
+    if method not in ("smoothquant", "fp8"):
         raise ConfigError(f"--alpha is SmoothQuant's migration strength; it does not apply to --method {method}")
     if alpha == "search":
         return True, None
@@ -70,7 +71,11 @@ def quantize_cmd(
         help="GPTQ: quantize columns by decreasing activation energy, with static groups (default: on).",
     ),
     damp: float = typer.Option(0.01, "--damp", help="GPTQ: Hessian dampening as a fraction of its mean diagonal."),
-    alpha: str = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.5) or 'search'."),
+    alpha: str = typer.Option(
+        None, "--alpha",
+        help="SmoothQuant migration strength in [0, 1] (default 0.5) or 'search'; with --method fp8, smooth "
+        "activations into the weights before FP8 W8A8 (calibrated).",
+    ),
     calib: Path = typer.Option(None, "--calib", help="Folder of calibration documents (default: the default long-document set)."),
     num_samples: int = typer.Option(32, "--num-samples", help="Calibration windows to draw."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
@@ -112,7 +117,12 @@ def quantize_cmd(
         console.print(f"[yellow]note:[/] {note}")
     dtype = None if save_dtype == "auto" else parse_dtype(save_dtype)
     calibration = None
-    if method in NEEDS_CALIBRATION:
+    # fp8 with --alpha: SmoothQuant's migration first, then the same FP8 quantization of weights and activations.
+    run_method = "smoothquant" if method == "fp8" and alpha_given else method
+    if run_method != method and resolved.activations is None:
+        raise ConfigError(f"--alpha smooths activation outliers before FP8 W8A8; scheme {resolved.name} keeps "
+                          "activations in 16-bit, so there is nothing to smooth")
+    if run_method in NEEDS_CALIBRATION:
         if calib is None:
             calib = data_dir() / "default"
             if not calib.is_dir():
@@ -141,7 +151,7 @@ def quantize_cmd(
     columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("blocks", total=blocks)
-        result = quantize_model(lm, method, resolved, calibration, options, on_block=lambda _i: progress.advance(task))
+        result = quantize_model(lm, run_method, resolved, calibration, options, on_block=lambda _i: progress.advance(task))
     started_save = time.perf_counter()
     provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
                   "result": result.to_json(), "runtime": runtime.to_json()}
