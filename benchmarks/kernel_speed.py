@@ -1,6 +1,6 @@
 """CPU linear kernels vs dense fp32 and bf16 matmuls, on the real models' layer shapes and 4096x4096.
 
-    python benchmarks/kernels.py [--threads 1] [--repeats 5] [--ms 5] [--ms-total 0] [--out PATH]
+    python benchmarks/kernel_speed.py [--threads 1] [--repeats 5] [--ms 5] [--ms-total 0] [--out PATH]
 
 For each shape (N, K) and batch M in 1, 4, 16, 64, 256 it times, in the same run and interleaved
 round by round (the order rotates each round, so load drift on a shared machine hits all alike):
