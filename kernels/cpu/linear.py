@@ -88,15 +88,23 @@ class Int4PackState:
     k: int
 
 
+def _weight_only_int(p: LinearProblem, op: str, available: bool) -> str | None:
+    """Why a weight-only integer op cannot take this problem (None if the shared checks pass)."""
+    why = _common(p, op, available)
+    if why:
+        return why
+    if p.fmt != "int":
+        return f"takes integer weights, not {p.fmt}"
+    if p.act is not None:
+        return f"weight-only: {p.act} activations need a W8A8 kernel"
+    return None
+
+
 def int4pack_supports(p: LinearProblem) -> Support:
-    why = _common(p, "aten._weight_int4pack_mm_for_cpu",
-                  _has_aten("_weight_int4pack_mm_for_cpu") and _has_aten("_convert_weight_to_int4pack_for_cpu"))
+    why = _weight_only_int(p, "aten._weight_int4pack_mm_for_cpu",
+                           _has_aten("_weight_int4pack_mm_for_cpu") and _has_aten("_convert_weight_to_int4pack_for_cpu"))
     if why:
         return False, why
-    if p.fmt != "int":
-        return False, f"takes integer weights, not {p.fmt}"
-    if p.act is not None:
-        return False, f"weight-only: {p.act} activations need a W8A8 kernel"
     if p.bits > 4:
         return False, f"takes codes of at most 4 bits, these have {p.bits}"
     if p.group_size not in INT4PACK_GROUPS:
@@ -138,13 +146,9 @@ class Int8PackState:
 
 
 def int8pack_supports(p: LinearProblem) -> Support:
-    why = _common(p, "aten._weight_int8pack_mm", _has_aten("_weight_int8pack_mm"))
+    why = _weight_only_int(p, "aten._weight_int8pack_mm", _has_aten("_weight_int8pack_mm"))
     if why:
         return False, why
-    if p.fmt != "int":
-        return False, f"takes integer weights, not {p.fmt}"
-    if p.act is not None:
-        return False, f"weight-only: {p.act} activations need a W8A8 kernel"
     if not p.per_channel:
         return False, f"takes per-channel scales, not groups of {p.group_size}"
     if not p.symmetric:
