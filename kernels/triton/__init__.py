@@ -1,0 +1,28 @@
+"""Triton kernels for CUDA GPUs: w4a16 dequant-fused GEMM, W8A8 int8 and fp8 GEMMs, paged attention.
+
+Each module is importable without a GPU (Triton's CPU interpreter, `TRITON_INTERPRET=1`, runs the
+same kernels in tests); the registry only offers these kernels for layers on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (tests); autotuning is skipped then."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(device: str) -> str | None:
+    """Why a Triton kernel cannot run on `device` here (None when it can)."""
+    if device != "cuda":
+        return f"Triton kernels run on CUDA GPUs (the layer is on {device})"
+    if not triton_importable():
+        return "triton is not installed (pip install 'tokq[gpu]')"
+    return None
