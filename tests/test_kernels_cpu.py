@@ -98,6 +98,22 @@ def test_cpu_int4_matches_reference(m, n, groups, group_size, bits, sym, bias, s
     check("cpu_int4", x, weight, b, None, torch.bfloat16, what=f"M={m} N={n} K={k} g{group_size} int{bits} sym={sym}")
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_cpu_int4_prefill_rows_dequantize_and_agree_with_the_int4_op(sym):
+    """Above INT4PACK_MAX_M rows the call dequantizes to bf16 and runs F.linear: same answer as the int4 op."""
+    from tokq.kernels.cpu.linear import INT4PACK_MAX_M
+
+    weight = int_weight(40, 128, 4, 64, sym, seed=3)
+    m = INT4PACK_MAX_M + 5
+    x, b = inputs(m, 128, 40, torch.bfloat16, seed=4, bias=True)
+    err = check("cpu_int4", x, weight, b, None, torch.bfloat16, what=f"prefill M={m} sym={sym}")
+    kernel = prepare_linear_kernel(weight, None, torch.bfloat16)
+    through_op = torch.cat([kernel(x[i:i + INT4PACK_MAX_M], b, None) for i in range(0, m, INT4PACK_MAX_M)])
+    dequantized = kernel(x, b, None)
+    gap = ((dequantized.float() - through_op.float()).norm() / through_op.float().norm()).item()
+    assert gap < TOL[torch.bfloat16], f"dequantize-then-matmul vs int4 op: relative gap {gap:.2e} (vs reference {err:.2e})"
+
+
 def test_cpu_int4_fp32_activations_when_forced():
     """Forced for an fp32 layer, the bf16 kernel casts x to bf16 and its result back to fp32."""
     weight = int_weight(40, 128, 4, 64, sym=False)
