@@ -76,8 +76,8 @@ def int_weight(n: int, k: int, bits: int, group_size: int, seed: int) -> IntWeig
 def tensor_bytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
-    if dataclasses.is_dataclass(obj):  # a PreparedKernel or its state
-        return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if dataclasses.is_dataclass(obj):  # a PreparedKernel or its state; the layer's own buffers are not packed bytes
+        return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.metadata.get("layer_buffers"))
     return 0
 
 

@@ -30,7 +30,7 @@ int4/int8 weight-only ops are fast only with bf16 activations (fp32 and fp16 run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +94,8 @@ class Int4PackState:
     group_size: int
     n: int
     k: int
-    weight: IntWeight  # the layer's own codes/scales (no copy): dequantized per call for M > INT4PACK_MAX_M
+    # The layer's own codes/scales (no copy, so not counted as packed bytes): dequantized per call for M > max_m.
+    weight: IntWeight = field(repr=False, metadata={"layer_buffers": True})
     max_m: int = INT4PACK_MAX_M
 
 
