@@ -18,6 +18,7 @@ and the fast CPU paths are meant for the bf16 model that is served.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 from . import cpu
 from .problem import DTYPE_NAMES, LinearProblem
 from .reference import QuantizedWeight, linear_reference
+from .triton import unavailable_reason as triton_unavailable
 
 ENV = "TOKQ_KERNELS"
 
@@ -80,11 +82,44 @@ class Verdict:
     reason: str
 
 
+class _Lazy:
+    """A function of a Triton module, imported on first use (triton is optional and slow to import)."""
+
+    def __init__(self, module: str, attr: str):
+        self.module, self.attr, self.fn = module, attr, None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            self.fn = getattr(importlib.import_module(f".triton.{self.module}", __package__), self.attr)
+        return self.fn(*args)
+
+
+def _triton_supports(module: str, attr: str) -> Callable[[LinearProblem], tuple[bool, str]]:
+    check = _Lazy(module, attr)
+
+    def supports(p: LinearProblem) -> tuple[bool, str]:
+        why = triton_unavailable(p.device)
+        return (False, why) if why else check(p)
+
+    return supports
+
+
+def _triton(name: str, module: str, kernel: str, summary: str) -> LinearCandidate:
+    """A Triton candidate whose module provides `<kernel>_supports`, `prepare_<kernel>`, `run_<kernel>`."""
+    return LinearCandidate(name, _triton_supports(module, f"{kernel}_supports"), _Lazy(module, f"prepare_{kernel}"),
+                           _Lazy(module, f"run_{kernel}"), summary)
+
+
 def _always(p: LinearProblem) -> tuple[bool, str]:
     return True, "dequantizes the whole weight to fp32 on every call (the oracle)"
 
 
 LINEAR_KERNELS: list[LinearCandidate] = [
+    _triton("triton_w4a16", "w4a16", "w4a16",
+            "int4/int8 weight-only: Triton GEMM with the dequantization fused into the K loop, split-K for small M"),
+    _triton("triton_w8a8_int8", "w8a8", "w8a8_int8",
+            "W8A8 int8: fused per-token activation quantization, int8 tl.dot, scale epilogue"),
+    _triton("triton_fp8", "fp8", "fp8", "fp8 e4m3 W8A8 (per-token x per-channel scales) or fp8 weight-only, Triton"),
     LinearCandidate("cpu_int4", cpu.int4pack_supports, cpu.prepare_int4pack, cpu.run_int4pack,
                     "int4 weight-only: aten._weight_int4pack_mm_for_cpu, bf16 compute", torch.bfloat16),
     LinearCandidate("cpu_int8", cpu.int8pack_supports, cpu.prepare_int8pack, cpu.run_int8pack,
