@@ -223,7 +223,7 @@ def test_registry_explains_skips():
     verdicts = {v.name: v for v in explain(problem(int_weight(48, 128, 4, 64, True), dtype=torch.float32), "")}
     assert "computes in bf16" in verdicts["cpu_int4"].reason and "TOKQ_KERNELS=cpu_int4" in verdicts["cpu_int4"].reason
     on_gpu = LinearProblem.of(int_weight(48, 128, 4, 64, True), None, torch.bfloat16, "cuda")
-    assert choose(on_gpu, "")[0].name == "reference"
+    assert choose(on_gpu, "")[0].name == "triton_w4a16"  # triton is installed with the dev extra
     assert "CPU only" in {v.name: v for v in explain(on_gpu, "")}["cpu_int4"].reason
 
 
@@ -250,8 +250,8 @@ def test_impossible_or_unknown_selection_is_a_clear_error(monkeypatch):
         prepare_linear_kernel(fp8_weight(48, 128), None, torch.bfloat16, "cpu_int4")
     with pytest.raises(KernelError, match=r"cpu_int4: group size 16.*kernels that can: reference"):
         prepare_linear_kernel(int_weight(48, 128, 4, 16, True), None, torch.bfloat16, "cpu_int4")
-    with pytest.raises(KernelError, match=r"'triton_w4a16', which is not a kernel; known kernels: cpu_int4, "):
-        Selection.parse("reference,triton_w4a16")
+    with pytest.raises(KernelError, match=r"'marlin', which is not a kernel; known kernels: triton_w4a16, "):
+        Selection.parse("reference,marlin")
     with pytest.raises(KernelError, match="disables every kernel"):
         prepare_linear_kernel(fp8_weight(48, 128), None, torch.bfloat16, ",".join(f"-{k}" for k in KERNELS_BY_NAME))
     # through the engine it is a ConfigError: one line for the user, exit code 2
