@@ -314,9 +314,9 @@ def test_kernels_list_cli(tmp_path, capsys):
     assert "cpu_int4" in text and "gate_up_proj" in text
     rows = {r["layer"]: r for r in json.loads((tmp_path / "k.json").read_text())["layers"]}
     assert rows["down_proj"]["kernel"] == "cpu_int4" and rows["down_proj"]["k"] == 96
-    assert rows["qkv_proj"]["count"] == 3 and rows["qkv_proj"]["skipped"] == []
+    assert rows["qkv_proj"]["count"] == 3 and [s["kernel"] for s in rows["qkv_proj"]["skipped"]] == ["triton_w4a16", "triton_w8a8_int8", "triton_fp8"]
     assert rows["lm_head"]["kernel"] == "dense"
     assert main(["kernels", "list", str(out), "--device", "cpu", "--dtype", "fp32", "--json", str(tmp_path / "f.json")]) == 0
     rows = {r["layer"]: r for r in json.loads((tmp_path / "f.json").read_text())["layers"]}
     assert rows["down_proj"]["kernel"] == "reference"
-    assert [s["kernel"] for s in rows["down_proj"]["skipped"]] == ["cpu_int4", "cpu_int8", "cpu_w8a8_int8", "cpu_fp8_dequant"]
+    assert [s["kernel"] for s in rows["down_proj"]["skipped"]] == ["triton_w4a16", "triton_w8a8_int8", "triton_fp8", "cpu_int4", "cpu_int8", "cpu_w8a8_int8", "cpu_fp8_dequant"]
