@@ -151,7 +151,6 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) ->
     src = torch.empty(int(gib * (1 << 30)) // 2, dtype=torch.float16, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     t = time_calls(lambda i: dst.copy_(src), 1, repeats, 50.0)
-    del src, dst
     return 2 * gib * (1 << 30) / t["median_s"] / 1e9
 
 
@@ -239,9 +238,9 @@ def bench_linear(args, device, dtype: torch.dtype, bandwidth: float) -> tuple[li
                 ok = err < tol
                 if not ok:
                     failures.append(f"{kernel.name} {model}/{layer} M={m}: relative error {err:.2e} >= {tol:.0e}")
-                t = time_calls(lambda i: kernel.run(x, states[i % len(states)], None, kernel.act),
+                t = time_calls(lambda i: kernel.run(x, states[i % len(states)], None, kernel.act),  # noqa: B023 (called at once)
                                len(states), args.repeats, args.min_ms)
-                t_dense = time_calls(lambda i: F.linear(x, dense[i % len(dense)]), len(dense), args.repeats, args.min_ms)
+                t_dense = time_calls(lambda i: F.linear(x, dense[i % len(dense)]), len(dense), args.repeats, args.min_ms)  # noqa: B023
                 moved = state_bytes + m * k * x.element_size() + m * n * x.element_size()
                 gbps = moved / t["median_s"] / 1e9
                 rows.append({
@@ -259,8 +258,6 @@ def bench_linear(args, device, dtype: torch.dtype, bandwidth: float) -> tuple[li
                       f"{r['median_us']:9.1f} us  fp16 {r['fp16_dense_median_us']:9.1f} us  x{r['speedup_vs_fp16']:.2f}  "
                       f"{gbps:7.0f} GB/s" + (f" ({r['bandwidth_fraction']:.0%})" if r["bandwidth_fraction"] else ""),
                       flush=True)
-            del states
-        del dense
         if cuda():
             torch.cuda.empty_cache()
     return rows, failures
@@ -311,10 +308,9 @@ def bench_attention(args, device, dtype: torch.dtype, bandwidth: float) -> tuple
             kc = torch.randn(case.batch, case.kv_heads, case.context, case.head_dim, device=device, dtype=dtype)
             vc = torch.randn_like(kc)
             qc = torch.randn(case.batch, case.q_heads, case.query_len, case.head_dim, device=device, dtype=dtype)
-            ts = time_calls(lambda i: F.scaled_dot_product_attention(qc, kc, vc, is_causal=case.query_len > 1,
+            ts = time_calls(lambda i: F.scaled_dot_product_attention(qc, kc, vc, is_causal=case.query_len > 1,  # noqa: B023
                                                                      enable_gqa=True), 1, args.repeats, args.min_ms)
             sdpa_us = ts["median_s"] * 1e6
-            del kc, vc, qc
         rows.append({
             "case": case.name, **{f: getattr(case, f) for f in ("batch", "context", "q_heads", "kv_heads", "head_dim",
                                                                    "window", "query_len", "kv_dtype")},
@@ -326,7 +322,6 @@ def bench_attention(args, device, dtype: torch.dtype, bandwidth: float) -> tuple
         print(f"paged attention {case.name:28s} err {err:.1e}  {t['median_s'] * 1e6:9.1f} us  {gbps:7.0f} GB/s"
               + (f" ({rows[-1]['bandwidth_fraction']:.0%})" if rows[-1]["bandwidth_fraction"] else "")
               + (f"  sdpa contiguous {sdpa_us:.1f} us" if sdpa_us else ""), flush=True)
-        del layout, q
         if cuda():
             torch.cuda.empty_cache()
     return rows, failures
