@@ -1,18 +1,21 @@
-"""The kernel registry: which linear kernel runs a quantized weight here.
+"""The kernel registry: which kernel runs a quantized linear layer, or a paged-attention layer, here.
 
-Candidates are listed in priority order (fastest first). For one layer (`LinearProblem`: device,
-weight format and scheme, shape, activation dtype) the registry walks them and takes the first
-whose `supports` says yes; `reference` (dequantize, then matmul: the oracle) runs everything, so
-it is last. The chosen kernel's `prepare` runs once, when the layer is loaded or quantized, and the
-layer keeps the `PreparedKernel` (packed weights and the function that runs them).
+Candidates are listed in priority order (fastest first), one list per kind: `LINEAR_KERNELS` and
+`ATTENTION_KERNELS` (kernels/attention.py). For one layer (a `LinearProblem`: device, weight format and
+scheme, shape, activation dtype; or an `AttentionProblem`: heads, head dim, dtypes, KV cache, window)
+the registry walks its kind's list and takes the first whose `supports` says yes; the oracle
+(`reference`, `paged_reference`) runs everything, so it is last. The chosen linear kernel's `prepare`
+runs once, when the layer is loaded or quantized, and the layer keeps the `PreparedKernel` (packed
+weights and the function that runs them); an attention layer keeps a `PreparedAttention`.
 
 Kernels that compute in a lower precision than the layer's activations (the CPU int4/int8 ops run
 bf16 only) are skipped for fp32/fp16 models unless forced: an fp32 model is asked for fp32 results,
 and the fast CPU paths are meant for the bf16 model that is served.
 
-`TOKQ_KERNELS` (comma-separated kernel names) changes the walk:
-- `TOKQ_KERNELS=reference` forces: only the named kernels are tried, in the order given; a layer
-  none of them can run is an error that says why and which kernels could run it.
+`TOKQ_KERNELS` (comma-separated kernel names, of either kind) changes the walk:
+- `TOKQ_KERNELS=reference` forces: only the named kernels of that kind are tried, in the order given;
+  a layer none of them can run is an error that says why and which kernels could run it. A kind with
+  no name forced keeps its usual walk (`TOKQ_KERNELS=cpu_int4` does not change attention).
 - `TOKQ_KERNELS=-cpu_int4` disables: that kernel is skipped. Both kinds may be mixed.
 """
 
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from . import cpu
+from .attention import ATTENTION_KERNELS, AttentionCandidate, AttentionProblem, PreparedAttention
 from .problem import DTYPE_NAMES, LinearProblem
 from .reference import QuantizedWeight, linear_reference
 from .triton import unavailable_reason as triton_unavailable
@@ -118,7 +122,7 @@ LINEAR_KERNELS: list[LinearCandidate] = [
     _triton("triton_w4a16", "w4a16", "w4a16",
             "int4/int8 weight-only: Triton GEMM with the dequantization fused into the K loop, split-K for small M"),
     _triton("triton_w8a8_int8", "w8a8", "w8a8_int8",
-            "W8A8 int8: fused per-token activation quantization, int8 tl.dot, scale epilogue"),
+            "W8A8 int8: per-token activation quantization kernel, int8 tl.dot, scale (+ bias) epilogue"),
     _triton("triton_fp8", "fp8", "fp8", "fp8 e4m3 W8A8 (per-token x per-channel scales) or fp8 weight-only, Triton"),
     LinearCandidate("cpu_int4", cpu.int4pack_supports, cpu.prepare_int4pack, cpu.run_int4pack,
                     "int4 weight-only: aten._weight_int4pack_mm_for_cpu, bf16 compute", torch.bfloat16),
@@ -132,6 +136,10 @@ LINEAR_KERNELS: list[LinearCandidate] = [
                     "dequantize to fp32, then matmul (the oracle)"),
 ]
 KERNELS_BY_NAME = {c.name: c for c in LINEAR_KERNELS}
+ATTENTION_BY_NAME = {c.name: c for c in ATTENTION_KERNELS}
+ALL_KERNEL_NAMES = (*KERNELS_BY_NAME, *ATTENTION_BY_NAME)
+Candidate = LinearCandidate | AttentionCandidate
+Problem = LinearProblem | AttentionProblem
 
 
 @dataclass(frozen=True)
@@ -151,9 +159,9 @@ class Selection:
             if not item:
                 continue
             name = item[1:].strip() if item.startswith("-") else item
-            if name not in KERNELS_BY_NAME:
+            if name not in ALL_KERNEL_NAMES:
                 raise KernelError(f"{ENV}={text!r} names {name!r}, which is not a kernel; known kernels: "
-                                  f"{', '.join(KERNELS_BY_NAME)} (prefix a name with '-' to disable it)")
+                                  f"{', '.join(ALL_KERNEL_NAMES)} (prefix a name with '-' to disable it)")
             if item.startswith("-"):
                 disabled.add(name)
             else:
@@ -164,9 +172,17 @@ class Selection:
     def from_env(cls) -> Selection:
         return cls.parse(os.environ.get(ENV))
 
-    def order(self) -> list[LinearCandidate]:
-        names = self.forced or tuple(KERNELS_BY_NAME)
-        return [KERNELS_BY_NAME[n] for n in names if n not in self.disabled]
+    def forced_among(self, candidates: list[Candidate]) -> tuple[str, ...]:
+        """The forced names of this kind (empty: none forced, the usual walk)."""
+        names = {c.name for c in candidates}
+        return tuple(n for n in self.forced if n in names)
+
+    def order(self, candidates: list[Candidate] | None = None) -> list[Candidate]:
+        """The candidates to try, in order: the forced ones of this kind, else all by priority; minus disabled."""
+        candidates = LINEAR_KERNELS if candidates is None else candidates
+        by_name = {c.name: c for c in candidates}
+        names = self.forced_among(candidates) or tuple(by_name)
+        return [by_name[n] for n in names if n not in self.disabled]
 
 
 def _selection(selection: Selection | str | None) -> Selection:
@@ -175,12 +191,17 @@ def _selection(selection: Selection | str | None) -> Selection:
     return Selection.parse(selection) if selection is not None else Selection.from_env()
 
 
-def explain(problem: LinearProblem, selection: Selection | str | None = None) -> list[Verdict]:
+def _kind(problem: Problem) -> list[Candidate]:
+    return ATTENTION_KERNELS if isinstance(problem, AttentionProblem) else LINEAR_KERNELS
+
+
+def explain(problem: Problem, selection: Selection | str | None = None) -> list[Verdict]:
     """Every candidate's verdict for `problem`, in priority order (those TOKQ_KERNELS excludes say so)."""
     sel = _selection(selection)
-    allowed = {c.name for c in sel.order()}
+    candidates = _kind(problem)
+    allowed = {c.name for c in sel.order(candidates)}
     verdicts = []
-    for c in LINEAR_KERNELS:
+    for c in candidates:
         if c.name in sel.disabled:
             verdicts.append(Verdict(c.name, False, f"disabled by {ENV}={sel.source}"))
         elif c.name not in allowed:
@@ -190,20 +211,30 @@ def explain(problem: LinearProblem, selection: Selection | str | None = None) ->
     return verdicts
 
 
-def choose(problem: LinearProblem, selection: Selection | str | None = None) -> tuple[LinearCandidate, str]:
-    """The kernel for `problem` and why it can run it; a KernelError when TOKQ_KERNELS leaves none."""
+def choose(problem: Problem, selection: Selection | str | None = None) -> tuple[Candidate, str]:
+    """The kernel for `problem` and why it can run it; a KernelError when TOKQ_KERNELS leaves none
+    (or, for attention, when no kernel can run the problem at all)."""
     sel = _selection(selection)
-    tried = sel.order()
+    candidates = _kind(problem)
+    tried = sel.order(candidates)
     for c in tried:
         ok, reason = c.verdict(problem, c.name in sel.forced)
         if ok:
             return c, reason
-    able = [c.name for c in LINEAR_KERNELS if c.supports(problem)[0]]
+    able = [c.name for c in candidates if c.verdict(problem, True)[0]]
+    if not able:
+        raise KernelError(f"no kernel can run {problem.describe()}: {candidates[-1].verdict(problem, True)[1]}")
     if not tried:
         raise KernelError(f"{ENV}={sel.source} disables every kernel; {problem.describe()} can run on: {', '.join(able)}")
-    why = "; ".join(f"{c.name}: {c.supports(problem)[1]}" for c in tried)
+    why = "; ".join(f"{c.name}: {c.verdict(problem, True)[1]}" for c in tried)
     raise KernelError(f"{ENV}={sel.source} leaves no kernel that can run {problem.describe()} ({why}); "
                       f"kernels that can: {', '.join(able)}. Change or unset {ENV}")
+
+
+def prepare_attention_kernel(problem: AttentionProblem, selection: Selection | str | None = None) -> PreparedAttention:
+    """Choose the paged-attention kernel (KV write + attention) for one attention layer (once, at load)."""
+    candidate, reason = choose(problem, selection)
+    return PreparedAttention(candidate.name, candidate.write_kv, candidate.attend, reason)
 
 
 def prepare_linear_kernel(weight: QuantizedWeight, act: str | None, dtype: torch.dtype,

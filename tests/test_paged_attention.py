@@ -23,6 +23,8 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TOKQ_TRITON_AUTOTUNE", "0")  # GPU: one fixed tile config (no tuning time); one test tunes
 
 from tokq.engine.attention import AttentionSpec, DenseCausalAttention
+from tokq.kernels import registry
+from tokq.kernels.attention import AttentionProblem
 from tokq.kernels.cpu.attention import paged_attention_cpu, write_kv_cpu
 from tokq.kernels.paged import (
     PagedAttentionMetadata,
@@ -459,3 +461,62 @@ def test_triton_gpu_write_kv_matches_reference(dtype, kv_dtype):
     write_kv_reference(k, v, ref_k, ref_v, slots, k_scale, v_scale)
     write_kv_triton(k.cuda(), v.cuda(), out_k, out_v, slots.cuda(), on(k_scale, "cuda"), on(v_scale, "cuda"))
     assert torch.equal(out_k.cpu().float(), ref_k.float()) and torch.equal(out_v.cpu().float(), ref_v.float())
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry's attention kernels
+
+
+def attention_problem(device: str = "cpu", **changes) -> AttentionProblem:
+    fields = dict(device=device, dtype=torch.float32, kv_dtype=torch.float32, num_heads=4, num_kv_heads=2,
+                  head_dim=32, block_size=16, sliding_window=None)
+    return AttentionProblem(**{**fields, **changes})
+
+
+def test_registry_chooses_attention_kernels(monkeypatch):
+    monkeypatch.delenv(registry.ENV, raising=False)
+    cpu, _ = registry.choose(attention_problem())
+    assert cpu.name == "cpu_paged_sdpa"
+    verdicts = {v.name: v for v in registry.explain(attention_problem())}
+    assert not verdicts["triton_paged"].usable and "CUDA" in verdicts["triton_paged"].reason
+    assert registry.choose(attention_problem("cuda"))[0].name == "triton_paged"  # triton comes with the dev extra
+    too_wide = registry.explain(attention_problem("cuda", head_dim=512))
+    assert not too_wide[0].usable and "512" in too_wide[0].reason
+    assert registry.choose(attention_problem("cuda", head_dim=512))[0].name == "paged_reference"
+
+
+def test_registry_attention_selection():
+    problem = attention_problem()
+    assert registry.choose(problem, "paged_reference")[0].name == "paged_reference"
+    assert registry.choose(problem, "-cpu_paged_sdpa")[0].name == "paged_reference"
+    assert registry.choose(problem, "cpu_int4")[0].name == "cpu_paged_sdpa"  # forcing a linear kernel leaves attention
+    with pytest.raises(registry.KernelError, match="triton_paged: Triton kernels run on CUDA.*kernels that can: "
+                                                   "cpu_paged_sdpa, paged_reference"):
+        registry.choose(problem, "triton_paged")
+    with pytest.raises(registry.KernelError, match="not a multiple of 4 KV heads"):
+        registry.choose(attention_problem(num_heads=6, num_kv_heads=4))
+    with pytest.raises(registry.KernelError, match="not a kernel.*paged_reference"):
+        registry.Selection.parse("paged_refrence")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=NAME.get)
+@pytest.mark.parametrize("forced", ["cpu_paged_sdpa", "paged_reference"])
+def test_prepared_attention_writes_and_reads_one_cache(forced, kv_dtype):
+    """The chosen kernel's KV write and attention call, end to end against the reference on fresh inputs."""
+    layout = random_paged_layout([37, 5, 64], [37, 1, 3], 16, num_kv_heads=2, head_dim=32, kv_dtype=kv_dtype,
+                                 seed=11)
+    problem = attention_problem(kv_dtype=kv_dtype, sliding_window=24)
+    kernel = registry.prepare_attention_kernel(problem, forced)
+    g = torch.Generator().manual_seed(12)
+    tokens = layout.new_slot_mapping.numel()
+    k, v = (torch.randn(tokens, 2, 32, generator=g) for _ in range(2))
+    q = torch.randn(tokens, 4, 32, generator=g)
+    caches = [layout.k_cache.clone(), layout.v_cache.clone()]
+    kernel.write_kv(k, v, *caches, layout.new_slot_mapping, layout.k_scale, layout.v_scale)
+    ref_caches = [layout.k_cache.clone(), layout.v_cache.clone()]
+    write_kv_reference(k, v, *ref_caches, layout.new_slot_mapping, layout.k_scale, layout.v_scale)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True)), f"{forced} KV write differs"
+    out = kernel.attend(q, *caches, layout.meta, 32 ** -0.5, 24, layout.k_scale, layout.v_scale)
+    ref = paged_attention_reference(q, *ref_caches, layout.meta, 32 ** -0.5, 24, layout.k_scale, layout.v_scale)
+    err = rel_err(out, ref)
+    assert err < TOL[torch.float32], f"{kernel.name} ({kernel.reason}) vs reference: relative error {err:.2e}"

@@ -173,6 +173,7 @@ def test_autotuned_launch_plumbing(monkeypatch):
     Triton's autotuner runs a single config without timing it, so this runs under the interpreter too."""
     monkeypatch.setitem(w4a16_module.TUNE_CONFIGS, DECODE_M, [TileConfig(16, 32, 32, split_k=2, group_m=1)])
     monkeypatch.setattr(w4a16_module, "interpreting", lambda: False)  # take the autotuned path ...
+    monkeypatch.setattr(w4a16_module, "autotune_enabled", lambda: True)
     monkeypatch.setattr(w4a16_module, "_can_launch_on", lambda device: True)  # ... with the interpreter's tensors
     w4a16_module._tuner.cache_clear()
     try:
@@ -466,8 +467,9 @@ def test_bf16_matches_reference(m, n, k, bits, group, sym, bias, split_k):
 @gpu_only
 @pytest.mark.parametrize("m,dtype", [(1, torch.float16), (64, torch.float16), (300, torch.float16),
                                      (1, torch.bfloat16), (16, torch.float32)], ids=lambda v: str(v))
-def test_autotuned_launch(m, dtype):
+def test_autotuned_launch(m, dtype, monkeypatch):
     """The autotuned path (one autotuning run per case: compiles each candidate tile once)."""
+    monkeypatch.setenv("TOKQ_TRITON_AUTOTUNE", "1")  # test_paged_attention turns it off for its own tests
     assert not interpreting()
     w = on_device(int_weight(576, 576, 4, 64, False, seed=m))
     x, b = inputs(m, 576, 576, dtype, seed=m, bias=True)
@@ -483,3 +485,17 @@ def test_real_layer_shapes_fixed_tiles(n, k, bits, group, sym, dtype):
     for m, config in ((1, TileConfig(16, 64, 128, split_k=4, group_m=1)), (200, TileConfig(64, 128, 64))):
         x, b = inputs(m, k, n, dtype, seed=m, bias=True)
         check(x, w, b, f"M={m} N={n} K={k} int{bits} g{group} {config}", config=config)
+
+
+def test_autotune_switch(monkeypatch):
+    """TOKQ_TRITON_AUTOTUNE=0 (and the interpreter) give every kernel one fixed tile config."""
+    import tokq.kernels.triton as triton_package
+
+    monkeypatch.setattr(triton_package, "interpreting", lambda: False)
+    monkeypatch.setenv(triton_package.AUTOTUNE_ENV, "1")
+    assert triton_package.autotune_enabled()
+    monkeypatch.setenv(triton_package.AUTOTUNE_ENV, "0")
+    assert not triton_package.autotune_enabled()
+    monkeypatch.setattr(triton_package, "interpreting", lambda: True)
+    monkeypatch.setenv(triton_package.AUTOTUNE_ENV, "1")
+    assert not triton_package.autotune_enabled()

@@ -260,7 +260,8 @@ def test_fp8_explicit_tiles_and_leading_dims():
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 16, 100, 300])  # M buckets 16, 16, 128, large
-def test_gpu_int8_and_fp8_end_to_end(m, dtype):
+def test_gpu_int8_and_fp8_end_to_end(m, dtype, monkeypatch):
+    monkeypatch.setenv("TOKQ_TRITON_AUTOTUNE", "1")  # test_paged_attention turns it off for its own tests
     n, k = 576, 1536
     errors = {}
     x, b = inputs(m, k, n, dtype, seed=m, bias=True)

@@ -19,6 +19,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+AUTOTUNE_ENV = "TOKQ_TRITON_AUTOTUNE"
+
+
+def autotune_enabled() -> bool:
+    """False under the interpreter, or when TOKQ_TRITON_AUTOTUNE=0 asks every kernel for one fixed tile
+    config (GPU tests and quick checks skip the tuning's compile time; results are the same, only speed
+    differs)."""
+    return not interpreting() and os.environ.get(AUTOTUNE_ENV, "1") != "0"
+
+
 def unavailable_reason(device: str) -> str | None:
     """Why a Triton kernel cannot run on `device` here (None when it can)."""
     if device != "cuda":

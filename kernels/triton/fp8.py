@@ -273,7 +273,8 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, state: FP8State, b
     flags = {"HAS_X_SCALE": not weight_only, "CAST_W": state.q.dtype != x.dtype,
              "IEEE_DOT": x.dtype == torch.float32, "PROMOTE_ACC": not weight_only and not fast_accum,
              "HAS_BIAS": bias is not None}
-    launch_gemm(_WEIGHT_ONLY_TUNED if weight_only else _FP8_TUNED, _fp8_gemm_kernel, config, m, state.n, args, flags)
+    launch_gemm(_WEIGHT_ONLY_TUNED if weight_only else _FP8_TUNED,
+                WEIGHT_ONLY_CONFIGS if weight_only else FP8_CONFIGS, _fp8_gemm_kernel, config, m, state.n, args, flags)
     return y
 
 

@@ -35,8 +35,6 @@ unless `TOKQ_TRITON_AUTOTUNE=0` asks for one fixed config (GPU tests: no tuning 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +48,7 @@ from ..paged import (
     check_slots,
     check_write_inputs,
 )
-from . import interpreting
+from . import autotune_enabled, interpreting
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -319,7 +317,6 @@ _INTERPRETER_DECODE = {"BLOCK_N": 16}
 _INTERPRETER_PREFILL = {"BLOCK_M": 16, "BLOCK_N": 16}
 _FIXED_DECODE = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 _FIXED_PREFILL = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-AUTOTUNE_ENV = "TOKQ_TRITON_AUTOTUNE"
 
 
 def _fixed_tiles(decode: bool) -> dict | None:
@@ -327,7 +324,7 @@ def _fixed_tiles(decode: bool) -> dict | None:
     tests and quick checks skip the tuning's compile time; results are the same, only speed differs)."""
     if interpreting():
         return _INTERPRETER_DECODE if decode else _INTERPRETER_PREFILL
-    if os.environ.get(AUTOTUNE_ENV, "1") == "0":
+    if not autotune_enabled():
         return _FIXED_DECODE if decode else _FIXED_PREFILL
     return None
 

@@ -50,7 +50,7 @@ import torch
 
 from ..problem import DTYPE_NAMES, LinearProblem
 from ..reference import IntWeight
-from . import interpreting, unavailable_reason
+from . import autotune_enabled, interpreting, unavailable_reason
 from .w4a16_layout import MAX_CODE_BITS, PackedIntWeight, field_bits, pack_int_weight
 
 try:
@@ -309,6 +309,9 @@ def w4a16_matmul(x2d: torch.Tensor, packed: PackedIntWeight, bias: torch.Tensor 
         raise ValueError(f"split_k={split_k}: must be >= 1")
     if config is None and interpreting():
         config = INTERPRETER_CONFIG
+    elif config is None and not autotune_enabled():  # TOKQ_TRITON_AUTOTUNE=0: the bucket's first tile
+        config = _candidates(m_bucket(x2d.shape[0]), 0 if packed.group_size == packed.k else packed.group_size,
+                             split_k)[0]
     if config is not None:
         config = config if split_k is None else replace(config, split_k=split_k)
         _check_config(config)

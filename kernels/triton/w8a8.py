@@ -41,7 +41,7 @@ from triton.language.extra import libdevice
 
 from ..problem import LinearProblem
 from ..reference import IntWeight
-from . import interpreting, unavailable_reason
+from . import autotune_enabled, interpreting, unavailable_reason
 
 Support = tuple[bool, str]
 
@@ -337,11 +337,15 @@ def prepare_w8a8_int8(weight: IntWeight, p: LinearProblem) -> Int8State:
     return Int8State(weight.q.contiguous(), weight.scale.reshape(n).float().contiguous(), zero, n, k)
 
 
-def launch_gemm(tuned: dict, kernel, config: GemmConfig | None, m: int, n: int, args: tuple, flags: dict) -> None:
-    """Run one GEMM: the given config, the interpreter's fixed one, or the autotuner of M's bucket."""
+def launch_gemm(tuned: dict, configs: dict[int, list[GemmConfig]], kernel, config: GemmConfig | None, m: int, n: int,
+                args: tuple, flags: dict) -> None:
+    """Run one GEMM: the given config, the interpreter's fixed one, the bucket's first config when
+    TOKQ_TRITON_AUTOTUNE=0, or the autotuner of M's bucket."""
     grid = gemm_grid(m, n)
     if config is None and interpreting():
         config = INTERPRETER_CONFIG
+    elif config is None and not autotune_enabled():
+        config = configs[m_bucket(m)][0]
     if config is not None:
         kernel[grid](*args, **flags, **config.meta(), num_warps=config.num_warps, num_stages=config.num_stages)
     else:
@@ -380,7 +384,7 @@ def int8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, state: Int8State, bias
             dummy if state.zero is None else state.zero, dummy if bias is None else bias.contiguous(),
             m, state.n, k, x_q.stride(0), state.q.stride(0), y.stride(0))
     flags = {"HAS_ZERO": state.zero is not None, "HAS_BIAS": bias is not None}
-    launch_gemm(_INT8_TUNED, _int8_gemm_kernel, config, m, state.n, args, flags)
+    launch_gemm(_INT8_TUNED, INT8_CONFIGS, _int8_gemm_kernel, config, m, state.n, args, flags)
     return y
 
 
