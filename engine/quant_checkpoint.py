@@ -134,9 +134,16 @@ def _check_2d(name: str, tensor: torch.Tensor) -> None:
         raise ModelError(f"tensor {name} has shape {tuple(tensor.shape)}, expected 2 dimensions [groups, outputs]")
 
 
-def _signed_zero(zero_unsigned: torch.Tensor, bits: int) -> torch.Tensor | None:
+def _signed_zero(zero_unsigned: torch.Tensor, bits: int, name: str = "layer") -> torch.Tensor | None:
     """Unsigned zero points -> signed (tokq/compressed-tensors convention); None when all are the midpoint."""
     zero = zero_unsigned.to(torch.int64) - (1 << (bits - 1))
+    if zero.max() > 127:
+        # Only an 8-bit GPTQ v1 checkpoint gets here: its stored zero - 1 wrapped from -1 to 255, which
+        # reads back as 256 (signed 128). tokq keeps zero points as int8, and guessing "0" instead would
+        # change the weights the checkpoint's own kernels compute; so refuse, saying what to do.
+        raise ModelError(f"{name}.qzeros: an 8-bit GPTQ v1 zero point of 256 (stored 255, a wrapped 0 - 1) cannot be "
+                         "represented exactly; re-export the checkpoint in the GPTQ v2 format (checkpoint_format "
+                         "'gptq_v2') or quantize it with tokq")
     if not zero.any():
         return None
     return zero.to(torch.int8).contiguous()
@@ -268,7 +275,7 @@ def gptq_weight(tensors: dict[str, torch.Tensor], bits: int, version: int, name:
             g_idx = None  # plain contiguous groups
     offset = 1 << (bits - 1)
     weight = IntWeight((q - offset).to(torch.int8).contiguous(), scales.float().t().contiguous(),
-                       _signed_zero(zero, bits), bits, group_size)
+                       _signed_zero(zero, bits, name), bits, group_size)
     return ShardWeight(weight, None, g_idx)
 
 
@@ -287,7 +294,7 @@ def awq_weight(tensors: dict[str, torch.Tensor], bits: int, name: str = "layer")
     zero = unpack_int32_words(qzeros, bits, dim=1, order=AWQ_ORDER).t()
     offset = 1 << (bits - 1)
     return ShardWeight(IntWeight((q - offset).to(torch.int8).contiguous(), scales.float().t().contiguous(),
-                                 _signed_zero(zero, bits), bits, _group_size(k, groups, name)))
+                                 _signed_zero(zero, bits, name), bits, _group_size(k, groups, name)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -415,3 +415,29 @@ def test_intweight_zero_layout_unchanged():
     w = quantize_rtn(torch.randn(8, 64), WeightArgs(bits=4, symmetric=False, group_size=32))
     assert isinstance(w, IntWeight) and w.q.dtype == torch.int8 and w.scale.shape == (8, 2)
     assert w.zero.dtype == torch.int8 and -8 <= int(w.zero.min()) and int(w.zero.max()) <= 7
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_v1_wrapped_zero_point(bits):
+    """GPTQ v1 stores zero - 1, so a zero of 0 is stored as 2^b - 1 and reads back as 2^b. At 4 bits that zero
+    (signed 8) is kept exactly, as AutoGPTQ's kernels compute it; at 8 bits it does not fit tokq's int8 zero
+    points, which is refused with the fix rather than silently changed."""
+    from tests.formats_writers import pack_along_cols, pack_along_rows
+    from tokq.engine.quant_checkpoint import gptq_weight
+
+    n, k, group = 16, 64, 32
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 1 << bits, (k, n), generator=g)
+    stored_zero = torch.randint(0, (1 << bits) - 1, (k // group, n), generator=g)
+    stored_zero[0, 3] = (1 << bits) - 1  # the wrapped 0 - 1
+    tensors = {"qweight": pack_along_rows(q, bits), "qzeros": pack_along_cols(stored_zero, bits),
+               "scales": torch.rand(k // group, n, generator=g).half() + 0.01}
+    if bits == 8:
+        with pytest.raises(ModelError, match=r"proj\.qzeros: an 8-bit GPTQ v1 zero point of 256.*gptq_v2"):
+            gptq_weight(tensors, bits, version=1, name="proj")
+        return
+    weight = gptq_weight(tensors, bits, version=1, name="proj").weight
+    assert weight.zero[3, 0].item() == 1 << (bits - 1)  # 2^b unsigned -> signed 2^(b-1)
+    expected = (q.t().float() - (stored_zero + 1).t().repeat_interleave(group, 1)) \
+        * tensors["scales"].float().t().repeat_interleave(group, 1)
+    assert torch.equal(weight.dequantize(), expected)
