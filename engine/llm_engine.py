@@ -1,0 +1,383 @@
+"""`LLMEngine`: requests in, tokens (or scores) out, through the scheduler, the paged cache and the model.
+
+    engine = LLMEngine(model, EngineConfig(kv_memory=512 << 20), tokenizer)
+    outputs = engine.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+    scores = engine.score([window_token_ids], topk=20)
+
+`add_request` / `step` are the streaming interface: each step returns the tokens it produced. A
+request that cannot be served (prompt longer than the context, sampling parameters out of range, a
+stop string without a tokenizer, more tokens than the whole cache holds) is refused in add_request
+with a clear error, and the requests already running carry on.
+
+`score(windows)` runs each window as a prompt through chunked prefill into the paged cache and keeps,
+at every position, the log-probability of the actual next token and the top-k log-probabilities.
+With `decode_from=d`, positions from d on are run one token per step through the decode kernels
+(the prefill-then-decode path, the one a quantized KV cache affects the way serving does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from tokq.engine.block_manager import BlockManager, WasteMeter
+from tokq.engine.kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MEMORY_FRACTION,
+    KVCacheSpec,
+    allocate_kv_cache,
+    default_kv_budget,
+    format_bytes,
+    kv_dtype_named,
+)
+from tokq.engine.metrics import RequestMetrics, RunMetrics, peak_memory_bytes
+from tokq.engine.models import CausalLM
+from tokq.engine.runner import ModelRunner
+from tokq.engine.sampling import SamplingParams, check_stop, make_generator, sample, truncate_at_stop_string
+from tokq.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from tokq.engine.sequence import ScoreRequest, Sequence, Status
+from tokq.errors import TokqError
+
+SCORE_LOGITS_CHUNK = 256  # rows of full-vocabulary logits at a time (256 x 262K x 4 B = 268 MB at most)
+
+
+class EngineError(TokqError):
+    """A request or engine setting that cannot be served: the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_memory: int | None = None  # bytes for the KV cache; None: the default budget (below)
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    kv_dtype: str | None = None  # None/"auto": the model's dtype; "fp16", "bf16", "fp32", "fp8"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    static: bool = False
+    chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention_kernels: str | None = None  # a TOKQ_KERNELS-style selection for attention (None: the env's)
+
+
+@dataclass
+class StepOutput:
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    seq_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+@dataclass
+class WindowScores:
+    """Per position p < len(window) - 1: log P(window[p + 1] | window[:p + 1]) and the top-k at p."""
+
+    token_ids: list[int]
+    logprobs: torch.Tensor  # fp32 [L - 1]
+    topk_ids: torch.Tensor | None  # int64 [L - 1, k]
+    topk_logprobs: torch.Tensor | None  # fp32 [L - 1, k]
+    decode_from: int | None = None
+
+
+@dataclass
+class _RunState:
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    peak_blocks: int = 0
+    waste: WasteMeter = field(default_factory=WasteMeter)
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
+        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
+        cfg = self.config
+        mc = model.config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
+            raise EngineError(f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}: "
+                              "both must be >= 1")
+        self.kv_spec = KVCacheSpec.of(mc, kv_dtype_named(cfg.kv_dtype, model.dtype), cfg.block_size)
+        self.num_blocks = self._plan_blocks()
+        self.caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model.device)
+        self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.static,
+                                                   cfg.chunked_prefill), self.blocks)
+        self.runner = ModelRunner(model, self.kv_spec, self.caches, cfg.attention_kernels)
+        eos = mc.eos_token_id
+        self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids |= {tokenizer.eos_token_id}
+        self._next_id = 0
+        self._seqs: dict[int, Sequence] = {}
+        self._run = _RunState()
+
+    # Set-up ---------------------------------------------------------------------------------------
+
+    def _plan_blocks(self) -> int:
+        """Blocks the budget holds, capped at what max_num_seqs full-length sequences could use."""
+        spec, cfg = self.kv_spec, self.config
+        one_seq = spec.blocks_for(self.max_model_len)
+        if cfg.kv_memory is not None:
+            budget = cfg.kv_memory
+            source = f"--kv-memory {format_bytes(budget)}"
+        else:
+            budget = default_kv_budget(self.model.device, cfg.memory_fraction)
+            source = f"the default budget ({cfg.memory_fraction:.0%} of the device's memory: {format_bytes(budget)})"
+        blocks = spec.blocks_in(budget)
+        if blocks < one_seq:
+            need = one_seq * spec.bytes_per_block
+            raise EngineError(
+                f"{source} holds {blocks} KV blocks ({blocks * spec.block_size} tokens at "
+                f"{format_bytes(spec.bytes_per_token)} a token), but one sequence of max_model_len "
+                f"{self.max_model_len} needs {one_seq} blocks = {format_bytes(need)}: give --kv-memory of at least "
+                f"{format_bytes(need)} or a smaller --max-model-len")
+        return min(blocks, one_seq * cfg.max_num_seqs + 1)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_spec.bytes_per_block
+
+    @property
+    def kernel_names(self) -> dict[str, list[str]]:
+        from tokq.engine.quant_linear import QuantizedLinearMethod
+
+        linear = sorted({m.method.kernel_name for m in self.model.modules()
+                         if isinstance(getattr(m, "method", None), QuantizedLinearMethod)}) or ["dense"]
+        return {"linear": linear, "attention": self.runner.kernel_names}
+
+    # Requests -------------------------------------------------------------------------------------
+
+    def _tokens(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EngineError("a text prompt needs a tokenizer: pass token ids or give the engine one")
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            return [int(t) for t in prompt.reshape(-1).tolist()]
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, truncate: bool = False,
+                    score: ScoreRequest | None = None, arrival_time: float | None = None) -> int:
+        """Queue a request; returns its id. Raises EngineError (or SamplingError) for one that cannot be served."""
+        params = params or SamplingParams()
+        params.validate()
+        if params.stop and self.tokenizer is None:
+            raise EngineError(f"stop strings {list(params.stop)} need a tokenizer to read the output: give the engine "
+                              "the model's tokenizer or use stop_token_ids")
+        tokens = self._tokens(prompt)
+        if not tokens:
+            raise EngineError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise EngineError(f"the prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        new_tokens = 0 if score is not None else params.max_tokens
+        limit = self.max_model_len - new_tokens
+        if len(tokens) > limit:
+            if not truncate or score is not None or limit < 1:
+                raise EngineError(
+                    f"the prompt has {len(tokens)} tokens; with max_tokens {new_tokens} the model's context of "
+                    f"{self.max_model_len} leaves room for {max(limit, 0)}: shorten it, lower max_tokens, or pass "
+                    "truncate=True (keeps the prompt's end)")
+            tokens = tokens[-limit:]
+        need = self.kv_spec.blocks_for(len(tokens) + new_tokens)
+        if need > self.num_blocks:
+            raise EngineError(f"the request needs {need} KV blocks but the cache has {self.num_blocks}: raise "
+                              "--kv-memory or shorten the request")
+        seq = Sequence(self._next_id, tokens, params, score=score,
+                       generator=make_generator(params.seed, self.model.device))
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        self._next_id += 1
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # The step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        step = self.scheduler.schedule()
+        if not step:
+            if self.scheduler.running or self.scheduler.waiting:
+                raise EngineError("the scheduler could not place any request (KV cache too small for the next one); "
+                                  "raise --kv-memory")
+            return []
+        now = time.perf_counter()
+        for seq in step.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        hidden, inputs = self.runner.run(step)
+        outputs = self._postprocess(step, hidden, inputs.query_start)
+        run = self._run
+        run.steps += 1
+        run.peak_blocks = max(run.peak_blocks, self.blocks.num_used)
+        run.waste.add(*self.blocks.waste(self.scheduler.running))
+        return outputs
+
+    def _postprocess(self, step: ScheduledStep, hidden: torch.Tensor, query_start: list[int]) -> list[StepOutput]:
+        sample_rows, samplers = [], []
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens, strict=True)):
+            if seq.score is not None:
+                self._keep_scores(seq, hidden[query_start[i]: query_start[i + 1]], seq.num_computed, n)
+            seq.num_computed += n
+            self.blocks.computed(seq)
+            if seq.score is None and seq.num_computed == len(seq.token_ids):
+                if seq.params.max_tokens == 0:  # prompt only (e.g. to warm the prefix cache)
+                    self._finish(seq, "length", time.perf_counter())
+                    continue
+                sample_rows.append(query_start[i + 1] - 1)
+                samplers.append(seq)
+        outputs = [StepOutput(seq.seq_id, [], True, "length") for seq in step.seqs
+                   if seq.is_finished and seq.score is None]
+        if samplers:
+            logits = self.runner.logits(hidden[sample_rows])
+            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers]).tolist()
+            now = time.perf_counter()
+            for seq, token in zip(samplers, tokens, strict=True):
+                seq.token_ids.append(token)
+                seq.token_times.append(now)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq)
+                if reason:
+                    self._finish(seq, reason, now)
+                outputs.append(StepOutput(seq.seq_id, [token], seq.is_finished, seq.finish_reason))
+        for seq in step.seqs:
+            if seq.score is not None and seq.num_computed >= len(seq.token_ids) and not seq.is_finished:
+                self._finish(seq, "scored", time.perf_counter())
+                outputs.append(StepOutput(seq.seq_id, [], True, "scored"))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        params = seq.params
+        text = None
+        if params.stop:
+            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = seq.text
+        reason = check_stop(seq.token_ids, seq.num_prompt_tokens, params, None, text)
+        generated = seq.num_output_tokens
+        if reason != "stop" and not params.ignore_eos and generated >= params.min_tokens \
+                and seq.token_ids[-1] in self.eos_ids:
+            reason = "stop"
+        return reason
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = now
+        if seq.params.stop and seq.text:
+            seq.text, _ = truncate_at_stop_string(seq.text, seq.params.stop)
+        self.scheduler.finish(seq)
+        self._run.finished.append(seq)
+
+    def _keep_scores(self, seq: Sequence, hidden: torch.Tensor, start: int, n: int) -> None:
+        """Log-probabilities of the next tokens at positions start..start+n-1 (those that have one)."""
+        score = seq.score
+        targets = torch.tensor(seq.token_ids[start + 1: start + n + 1], dtype=torch.int64, device=hidden.device)
+        rows = targets.numel()  # the window's last position has no next token
+        for lo in range(0, rows, SCORE_LOGITS_CHUNK):
+            hi = min(rows, lo + SCORE_LOGITS_CHUNK)
+            logprobs = torch.log_softmax(self.runner.logits(hidden[lo:hi]), dim=-1)
+            score.logprobs.append(logprobs.gather(1, targets[lo:hi, None])[:, 0].cpu())
+            if score.topk:
+                values, ids = logprobs.topk(score.topk, dim=-1)
+                score.topk_logprobs.append(values.cpu())
+                score.topk_ids.append(ids.cpu())
+
+    # Batch APIs -----------------------------------------------------------------------------------
+
+    def reset_metrics(self) -> None:
+        self._run = _RunState()
+        if self.model.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.model.device)
+
+    def _drain(self, ids: list[int], progress: Callable[[int], None] | None = None) -> None:
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.finished and out.seq_id in pending:
+                    pending.discard(out.seq_id)
+                    if progress:
+                        progress(1)
+
+    def generate(self, prompts: Iterable[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, truncate: bool = False, progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Run the prompts to completion (all arriving now); outputs in the prompts' order."""
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise EngineError(f"{len(plist)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        ids = [self.add_request(p, sp, truncate=truncate) for p, sp in zip(prompts, plist, strict=True)]
+        self._drain(ids, progress)
+        return [self.output(i) for i in ids]
+
+    def output(self, seq_id: int) -> RequestOutput:
+        seq = self._seqs[seq_id]
+        text = seq.text
+        if not text and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
+                             seq.finish_reason, RequestMetrics.of(seq))
+
+    def score(self, windows: Iterable[Seq[int] | torch.Tensor], topk: int = 0, decode_from: int | None = None,
+              progress: Callable[[int], None] | None = None) -> list[WindowScores]:
+        """Score token windows (see the module docstring); results in the windows' order."""
+        if topk < 0 or topk > self.model.config.vocab_size:
+            raise EngineError(f"topk={topk}: must be between 0 and the vocabulary size {self.model.config.vocab_size}")
+        if decode_from is not None and decode_from < 1:
+            raise EngineError(f"decode_from={decode_from}: must be >= 1 (the first token is always prefilled)")
+        ids = []
+        for window in windows:
+            tokens = self._tokens(window)
+            if len(tokens) < 2:
+                raise EngineError(f"a window of {len(tokens)} token(s) has nothing to score: give at least 2 tokens")
+            ids.append(self.add_request(tokens, SamplingParams(max_tokens=0),
+                                        score=ScoreRequest(topk=topk, decode_from=decode_from)))
+        self._drain(ids, progress)
+        results = []
+        for i in ids:
+            seq = self._seqs.pop(i)
+            s = seq.score
+            results.append(WindowScores(
+                seq.token_ids, torch.cat(s.logprobs),
+                torch.cat(s.topk_ids) if s.topk else None, torch.cat(s.topk_logprobs) if s.topk else None,
+                decode_from))
+        return results
+
+    def metrics(self, seq_ids: Iterable[int] | None = None) -> RunMetrics:
+        """The run's metrics since the last reset_metrics (over the given requests, default: all finished)."""
+        run = self._run
+        seqs = [self._seqs[i] for i in seq_ids] if seq_ids is not None else run.finished
+        wall = (max((s.finish_time for s in seqs if s.finish_time), default=run.start)
+                - min((s.arrival_time for s in seqs), default=run.start))
+        stats = self.blocks.stats
+        return RunMetrics.of(
+            [RequestMetrics.of(s) for s in seqs], wall,
+            peak_memory_bytes=peak_memory_bytes(self.model.device), kv_cache_bytes=self.kv_cache_bytes,
+            kv_peak_usage=run.peak_blocks / self.num_blocks, kv_waste=run.waste.fraction,
+            preemptions=sum(s.num_preemptions for s in seqs),
+            prefix_hit_rate=stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens else 0.0,
+            steps=run.steps)
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Drop finished requests' records (long-running servers)."""
+        for i in seq_ids:
+            seq = self._seqs.get(i)
+            if seq is not None and seq.status == Status.FINISHED:
+                del self._seqs[i]

@@ -1,0 +1,118 @@
+"""The model runner: one scheduled step through the model, reading and writing the paged KV cache.
+
+A step's sequences are flattened into one row of tokens (the model sees input_ids [1, T] with each
+token's own position), and `PagedAttention`, the attention backend, writes each layer's new K/V into
+the cache slots of those tokens and attends through the block tables with the kernel the registry
+chose (kernels/attention.py). Logits are computed only where they are needed: the last token of a
+sequence that samples this step, and every token of a scoring request (scored in chunks, so a
+large vocabulary never needs a whole window's logits at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokq.engine.attention import AttentionSpec
+from tokq.engine.kv_cache import KVCacheSpec
+from tokq.engine.models import CausalLM
+from tokq.engine.scheduler import ScheduledStep
+from tokq.kernels.attention import AttentionProblem, PreparedAttention
+from tokq.kernels.paged import QUANT_KV_DTYPES, PagedAttentionMetadata
+from tokq.kernels.registry import prepare_attention_kernel
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [1, T]
+    positions: torch.Tensor  # int64 [1, T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    meta: PagedAttentionMetadata
+    query_start: list[int]  # host copy of query_start_loc
+
+
+class PagedAttention:
+    """The attention backend over the paged cache (engine/attention.py's seam)."""
+
+    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: list[PreparedAttention],
+                 scales: tuple[torch.Tensor, torch.Tensor] | None):
+        self.caches, self.kernels, self.scales = caches, kernels, scales
+        self.step: StepInputs | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+        step = self.step
+        k_cache, v_cache = self.caches[spec.layer]
+        kernel = self.kernels[spec.layer]
+        k_scale, v_scale = self.scales if self.scales is not None else (None, None)
+        kernel.write_kv(k[0], v[0], k_cache, v_cache, step.slot_mapping, k_scale, v_scale)
+        out = kernel.attend(q[0], k_cache, v_cache, step.meta, spec.scale, spec.sliding_window, k_scale, v_scale)
+        return out.unsqueeze(0)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, spec: KVCacheSpec, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 attention_kernels: str | None = None):
+        self.model, self.spec = model, spec
+        config = model.config
+        self.device = model.device
+        self.kernels = [prepare_attention_kernel(
+            AttentionProblem(self.device.type, model.dtype, spec.dtype, config.num_heads, config.num_kv_heads,
+                             config.head_dim, spec.block_size, config.layer_window(layer)), attention_kernels)
+            for layer in range(config.num_layers)]
+        scales = None
+        if spec.dtype in QUANT_KV_DTYPES:
+            # No calibrated KV scales yet: fp8 uses scale 1 per head (values up to 448 stay exact in range),
+            # the same default vLLM applies to an fp8 cache without checkpoint scales.
+            ones = torch.ones(config.num_kv_heads, dtype=torch.float32, device=self.device)
+            scales = (ones, ones.clone())
+        self.backend = PagedAttention(caches, self.kernels, scales)
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return sorted({k.name for k in self.kernels})
+
+    def prepare(self, step: ScheduledStep) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens, query_lens, tables = [], [], []
+        bs = self.spec.block_size
+        for seq, n in zip(step.seqs, step.num_tokens, strict=True):
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start: start + n])
+            table = seq.block_table
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            tables.append(table)
+        meta = PagedAttentionMetadata.from_lists(tables, seq_lens, query_lens)
+        meta.validate(len(ids), self.caches_blocks, bs)  # once per step, not once per layer
+        meta = PagedAttentionMetadata(meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                                      meta.max_seq_len, trusted=True)
+        query_start = meta.query_start_loc.tolist()
+        dev = self.device
+        return StepInputs(torch.tensor([ids], dtype=torch.int64, device=dev),
+                          torch.tensor([positions], dtype=torch.int64, device=dev),
+                          torch.tensor(slots, dtype=torch.int64, device=dev), meta.to(dev), query_start)
+
+    @property
+    def caches_blocks(self) -> int:
+        return self.backend.caches[0][0].shape[0]
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> tuple[torch.Tensor, StepInputs]:
+        """Run the step; returns the final hidden states [T, hidden] (logits are the caller's choice)."""
+        inputs = self.prepare(step)
+        self.backend.step = inputs
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, backend=self.backend)
+        finally:
+            self.backend.step = None
+        return hidden[0], inputs
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float()

@@ -1,0 +1,136 @@
+"""The scheduler: which sequences run in the next step, and how many of their tokens.
+
+Continuous batching at iteration level (the default): every step first gives each running sequence
+its next piece (one token for a decoding sequence, the next chunk of a prompt still in prefill),
+then admits waiting sequences while seats (`max_num_seqs`) and the step's token budget
+(`max_num_batched_tokens`) last. A long prompt is split into chunks that fit what is left of the
+budget (chunked prefill), so decoding sequences keep producing tokens while it is read. A finished
+sequence frees its blocks at once and its seat is filled at the next step.
+
+When the pool has no block for a running sequence's next piece, the most recently admitted running
+sequence is preempted by recompute: its blocks are freed and it goes back to the front of the queue,
+to be run again from its prompt plus what it generated (never lost, never a crash). A sequence that
+could not fit even with the pool to itself is refused when it is added (the engine checks).
+
+Static batching (`static=True`, for comparison): a batch of up to max_num_seqs waiting sequences is
+admitted only when nothing runs, and runs until its longest member finishes; seats freed early stay
+empty. Prompts are still chunked by the same token budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokq.engine.block_manager import BlockManager
+from tokq.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    static: bool = False
+    chunked_prefill: bool = True  # False: a prompt is admitted only when it fits the step's budget whole
+
+
+@dataclass
+class ScheduledStep:
+    """One step's work: per sequence, how many of its tokens (from seq.num_computed) to run."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _piece(self, seq: Sequence, budget: int) -> int:
+        """How many tokens of `seq` to run now, within `budget`."""
+        want = seq.remaining
+        if seq.score is not None and seq.score.decode_from is not None:
+            # decode-path scoring: prefill up to decode_from, then one token per step
+            if seq.num_computed >= seq.score.decode_from:
+                want = 1
+            else:
+                want = min(want, seq.score.decode_from - seq.num_computed)
+        return min(want, budget)
+
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        self.blocks.release(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        step.preempted.append(seq)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.config.max_num_batched_tokens
+        # 1. the running sequences, oldest first; make room by preempting the newest when blocks run out
+        queue = list(self.running)
+        while queue:
+            seq = queue.pop(0)
+            if budget <= 0:
+                break
+            n = self._piece(seq, budget)
+            while not self.blocks.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+                if victim in queue:
+                    queue.remove(victim)
+            if seq.status != Status.RUNNING:
+                continue
+            self.blocks.append_slots(seq, n)
+            step.seqs.append(seq)
+            step.num_tokens.append(n)
+            budget -= n
+        if step.preempted:
+            return step  # no admissions in a step that had to preempt: the pool is full
+        # 2. admit waiting sequences
+        if self.config.static and self.running:
+            return step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.blocks.admit(seq)
+            n = self._piece(seq, budget)
+            if (not self.config.chunked_prefill and n < seq.remaining and seq.score is None) \
+                    or not self.blocks.can_append(seq, n):
+                self.blocks.undo_admit(seq, hit)  # try again next step
+                break
+            self.waiting.popleft()
+            self.blocks.append_slots(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            step.seqs.append(seq)
+            step.num_tokens.append(n)
+            budget -= n
+        return step
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.blocks.release(seq)
+        self.running.remove(seq)

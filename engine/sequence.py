@@ -1,0 +1,101 @@
+"""One request as the engine tracks it: its tokens, its blocks, where its computation stands, its timings.
+
+`token_ids` holds the prompt followed by every generated token. `num_computed` counts the leading
+tokens whose K/V are in the cache (prefix-cache hits included); the tokens after it are what the
+next steps must run. A sequence is in prefill while num_computed < len(token_ids) - 1 would leave
+prompt tokens unrun; it samples a token whenever a step leaves num_computed == len(token_ids).
+Preemption by recompute frees the blocks and sets num_computed back to 0: the prompt and the tokens
+generated so far are run again as one longer prompt, so nothing generated is lost.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokq.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class ScoreRequest:
+    """Score the prompt instead of generating: the log-probability of every actual next token and the
+    top-k log-probabilities at every position. `decode_from`: positions from here on are run one token
+    per step through the decode path (None: chunked prefill only)."""
+
+    topk: int = 0
+    decode_from: int | None = None
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n] per chunk
+    topk_ids: list[torch.Tensor] = field(default_factory=list)  # int64 [n, topk]
+    topk_logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n, topk]
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    score: ScoreRequest | None = None
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    num_prompt_tokens: int = 0
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (all admissions)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each generated token was produced
+    finish_time: float | None = None
+    text: str = ""  # decoded output (when the engine has a tokenizer)
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose K/V still have to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.remaining > 1
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold: its prompt plus max_tokens (scoring: the prompt)."""
+        return self.num_prompt_tokens + (0 if self.score is not None else self.params.max_tokens)
+
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def tbts(self) -> list[float]:
+        """Time between consecutive generated tokens (the first token's time is TTFT, not a TBT)."""
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
