@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tokq import __version__
+from tokq.engine.roofline import copy_bandwidth
 from tokq.kernels.reference import IntWeight
 from tokq.kernels.registry import prepare_linear_kernel
 
@@ -50,20 +51,6 @@ SHAPES = [
 L2_BYTES = 4 << 20
 STREAM_BYTES = 4 * L2_BYTES  # each path cycles over copies totalling at least this
 MAX_COPIES = 64
-
-
-def copy_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
-    """GB/s of dst.copy_(src) on `mib` MiB (read + write counted): the practical memory roofline."""
-    src = torch.empty(mib << 18, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    rates = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        rates.append(2 * src.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    return {"bytes": 2 * src.numel() * 4, "gbps_median": statistics.median(rates), "gbps_max": max(rates),
-            "gbps_min": min(rates)}
 
 
 def int_weight(n: int, k: int, bits: int, group_size: int, seed: int) -> IntWeight:
@@ -146,7 +133,7 @@ def main() -> None:
     torch.manual_seed(0)
     started = time.time()
 
-    bandwidth = {"start": copy_bandwidth()}
+    bandwidth = {"start": copy_bandwidth(mib=512)}
     print(f"copy bandwidth: {bandwidth['start']['gbps_median']:.1f} GB/s (median), {args.threads} thread(s)", flush=True)
     rows = []
     shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes or s[1] in args.shapes]
@@ -182,7 +169,7 @@ def main() -> None:
                 })
             line = "  ".join(f"{p.name} {med[p.name] * 1e6:8.1f}us x{med['fp32_dense'] / med[p.name]:.2f}" for p in paths)
             print(f"{model:13s} {layer:13s} M={m:<4d} {line}", flush=True)
-    bandwidth["end"] = copy_bandwidth()
+    bandwidth["end"] = copy_bandwidth(mib=512)
     bw = statistics.median([bandwidth["start"]["gbps_median"], bandwidth["end"]["gbps_median"]])
     for row in rows:
         row["bandwidth_fraction"] = row["gbps"] / bw

@@ -14,8 +14,10 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from tokq import __version__
+from tokq.commands.bench import bench_cmd
 from tokq.commands.data import data_app
 from tokq.commands.kernels import kernels_app
+from tokq.commands.kv_calc import kv_calc_cmd
 from tokq.commands.models import models_app
 from tokq.commands.quantize import quantize_cmd
 from tokq.commands.score import score_cmd
@@ -33,6 +35,8 @@ app.add_typer(data_app)
 app.add_typer(kernels_app)
 app.command("score")(score_cmd)
 app.command("quantize")(quantize_cmd)
+app.command("kv-calc")(kv_calc_cmd)
+app.command("bench")(bench_cmd)
 
 
 @app.command("version")

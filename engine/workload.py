@@ -1,0 +1,96 @@
+"""A serving workload and the loop that plays it against an engine, as the common serving benchmark does.
+
+`Workload`: N requests of `prompt_len` tokens each (random token ids from a seeded generator, or
+token windows of real documents) with output lengths of `gen_len` tokens, or, with `gen_len_range`
+r > 0, drawn uniformly from [gen_len (1 - r), gen_len (1 + r)] (mixed lengths: what makes static
+batching wait for its longest member). Arrivals are all at once, or a Poisson process of
+`arrival_rate` requests per second (seeded exponential gaps). Outputs are forced to their length
+(ignore_eos), so every variant produces the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tokq.engine.llm_engine import LLMEngine
+from tokq.engine.metrics import RunMetrics
+from tokq.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int = 512
+    gen_len: int = 256
+    num_requests: int = 16
+    gen_len_range: float = 0.0
+    arrival_rate: float = math.inf  # requests per second; inf = all at once
+    seed: int = 0
+
+    def to_json(self) -> dict:
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
+
+    def prompts(self, vocab_size: int, documents: list[list[int]] | None = None) -> list[list[int]]:
+        """Prompts of prompt_len tokens: slices of the documents' tokens when given, else random ids."""
+        g = torch.Generator().manual_seed(self.seed)
+        if documents:
+            stream = [t for doc in documents for t in doc]
+            if len(stream) >= self.prompt_len:
+                starts = torch.randint(0, len(stream) - self.prompt_len + 1, (self.num_requests,), generator=g)
+                return [stream[s: s + self.prompt_len] for s in starts.tolist()]
+        # Avoid the first ids (special tokens in most vocabularies).
+        low = min(1000, vocab_size // 2)
+        return torch.randint(low, vocab_size, (self.num_requests, self.prompt_len), generator=g).tolist()
+
+    def output_lengths(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + 1)
+        if self.gen_len_range <= 0:
+            return [self.gen_len] * self.num_requests
+        lo = max(1, round(self.gen_len * (1 - self.gen_len_range)))
+        hi = max(lo, round(self.gen_len * (1 + self.gen_len_range)))
+        return torch.randint(lo, hi + 1, (self.num_requests,), generator=g).tolist()
+
+    def arrival_offsets(self) -> list[float]:
+        """Seconds after the start at which each request arrives."""
+        if math.isinf(self.arrival_rate):
+            return [0.0] * self.num_requests
+        g = torch.Generator().manual_seed(self.seed + 2)
+        gaps = torch.empty(self.num_requests).exponential_(self.arrival_rate, generator=g)
+        gaps[0] = 0.0
+        return gaps.cumsum(0).tolist()
+
+
+def run_workload(engine: LLMEngine, workload: Workload, prompts: list[list[int]],
+                 on_finish: Callable[[int], None] | None = None) -> RunMetrics:
+    """Play the workload (arrivals on the wall clock) until every request finishes; the run's metrics."""
+    lengths = workload.output_lengths()
+    offsets = workload.arrival_offsets()
+    engine.reset_metrics()
+    start = time.perf_counter()
+    pending = list(zip(offsets, prompts, lengths, strict=True))
+    ids: list[int] = []
+    unfinished: set[int] = set()
+    while pending or unfinished:
+        now = time.perf_counter()
+        while pending and start + pending[0][0] <= now:
+            offset, prompt, length = pending.pop(0)
+            seq_id = engine.add_request(prompt, SamplingParams(max_tokens=length, ignore_eos=True),
+                                        arrival_time=start + offset)
+            ids.append(seq_id)
+            unfinished.add(seq_id)
+        if not engine.has_unfinished():
+            if pending:  # idle until the next arrival
+                time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+            continue
+        for out in engine.step():
+            if out.finished and out.seq_id in unfinished:
+                unfinished.discard(out.seq_id)
+                if on_finish:
+                    on_finish(1)
+    metrics = engine.metrics(ids)
+    engine.forget(ids)
+    return metrics
