@@ -1,5 +1,11 @@
 """The block pool: ref-counted KV blocks, allocated to sequences on demand, with prefix caching.
 
+Sliding windows: when every layer of the model attends within a window W, a block whose positions
+all lie W or more behind the next query can never be read again; `drop_outside_window` frees it at
+once and leaves the placeholder `DROPPED` in the block table (positions keep their index; kernels
+start reading at the window, so the placeholder is never dereferenced). A model with some global
+layers (Gemma 3) keeps every block: those layers read the whole context.
+
 Blocks are handed out as a sequence's computation reaches them (chunked prefill allocates only the
 blocks of the chunk being run), so a sequence never holds more than one partly-filled block: the
 KV waste (allocated but unused slots) is under one block per running sequence.
@@ -19,6 +25,17 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tokq.engine.sequence import Sequence
+
+DROPPED = -1  # a block-table entry whose block fell out of the window and went back to the pool
+
+
+def blocks_held_at_most(tokens: int, block_size: int, window: int | None, chunk: int) -> int:
+    """The most blocks one sequence of `tokens` tokens holds at once: all of them, or, when every layer
+    slides, its window plus one step's chunk of `chunk` tokens (block-aligned)."""
+    full = -(-tokens // block_size)
+    if window is None:
+        return full
+    return min(full, -(-(window - 1 + chunk) // block_size) + 1)
 
 
 @dataclass
@@ -142,8 +159,8 @@ class BlockManager:
         for i in range(state.blocks, full):
             chunk = tuple(seq.token_ids[i * bs: (i + 1) * bs])
             h = self._chain(state.last, chunk)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.cached:
+            block = self.blocks[seq.block_table[i]] if seq.block_table[i] != DROPPED else None
+            if block is not None and block.hash is None and h not in self.cached:
                 block.hash, block.tokens = h, chunk
                 self.cached[h] = block.block_id
             state.blocks, state.last = i + 1, h
@@ -151,6 +168,8 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         """Free the sequence's blocks (finished or preempted); cached ones stay reusable until evicted."""
         for block_id in reversed(seq.block_table):  # the tail is evicted before the shared head
+            if block_id == DROPPED:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -158,6 +177,24 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         self._hashes.pop(seq.seq_id, None)
+
+    def drop_outside_window(self, seq: Sequence, window: int) -> int:
+        """Free the blocks no future query of `seq` can see (every layer attends within `window`);
+        returns how many were freed. A query at position p sees keys p - window + 1 .. p, and the next
+        query is at seq.num_computed or later."""
+        first_visible = seq.num_computed - window + 1
+        freed = 0
+        for i in range(max(0, first_visible) // self.block_size):  # blocks ending before first_visible
+            block_id = seq.block_table[i]
+            if block_id == DROPPED:
+                continue
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+            seq.block_table[i] = DROPPED
+            freed += 1
+        return freed
 
     # Accounting -----------------------------------------------------------------------------------
 
@@ -168,6 +205,8 @@ class BlockManager:
         for seq in running:
             held = seq.num_computed
             for i, block_id in enumerate(seq.block_table):
+                if block_id == DROPPED:
+                    continue
                 used[block_id] = max(used.get(block_id, 0), min(bs, max(0, held - i * bs)))
         return len(used) * bs, sum(used.values())
 

@@ -80,6 +80,13 @@ class ModelConfig:
         """Sliding-window size of a layer (None for global attention)."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The window when every layer slides (then K/V older than it are never read again), else None."""
+        if self.sliding_window and self.layer_types and all(t == SLIDING for t in self.layer_types):
+            return self.sliding_window
+        return None
+
     def layer_rope(self, layer: int) -> RopeConfig:
         return self.rope[self.layer_types[layer]]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokq.engine.block_manager import BlockManager, WasteMeter
+from tokq.engine.block_manager import BlockManager, WasteMeter, blocks_held_at_most
 from tokq.engine.kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MEMORY_FRACTION,
@@ -112,6 +112,7 @@ class LLMEngine:
             raise EngineError(f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}: "
                               "both must be >= 1")
         self.kv_spec = KVCacheSpec.of(mc, kv_dtype_named(cfg.kv_dtype, model.dtype), cfg.block_size)
+        self.window = mc.window_of_every_layer  # blocks behind it are freed as sequences advance
         self.num_blocks = self._plan_blocks()
         self.caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model.device)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -131,7 +132,7 @@ class LLMEngine:
     def _plan_blocks(self) -> int:
         """Blocks the budget holds, capped at what max_num_seqs full-length sequences could use."""
         spec, cfg = self.kv_spec, self.config
-        one_seq = spec.blocks_for(self.max_model_len)
+        one_seq = self._blocks_per_seq(self.max_model_len)
         if cfg.kv_memory is not None:
             budget = cfg.kv_memory
             source = f"--kv-memory {format_bytes(budget)}"
@@ -147,6 +148,9 @@ class LLMEngine:
                 f"{self.max_model_len} needs {one_seq} blocks = {format_bytes(need)}: give --kv-memory of at least "
                 f"{format_bytes(need)} or a smaller --max-model-len")
         return min(blocks, one_seq * cfg.max_num_seqs + 1)
+
+    def _blocks_per_seq(self, tokens: int) -> int:
+        return blocks_held_at_most(tokens, self.config.block_size, self.window, self.config.max_num_batched_tokens)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -194,7 +198,7 @@ class LLMEngine:
                     f"{self.max_model_len} leaves room for {max(limit, 0)}: shorten it, lower max_tokens, or pass "
                     "truncate=True (keeps the prompt's end)")
             tokens = tokens[-limit:]
-        need = self.kv_spec.blocks_for(len(tokens) + new_tokens)
+        need = self._blocks_per_seq(len(tokens) + new_tokens)
         if need > self.num_blocks:
             raise EngineError(f"the request needs {need} KV blocks but the cache has {self.num_blocks}: raise "
                               "--kv-memory or shorten the request")
@@ -238,6 +242,8 @@ class LLMEngine:
                 self._keep_scores(seq, hidden[query_start[i]: query_start[i + 1]], seq.num_computed, n)
             seq.num_computed += n
             self.blocks.computed(seq)
+            if self.window is not None:
+                self.blocks.drop_outside_window(seq, self.window)
             if seq.score is None and seq.num_computed == len(seq.token_ids):
                 if seq.params.max_tokens == 0:  # prompt only (e.g. to warm the prefix cache)
                     self._finish(seq, "length", time.perf_counter())

@@ -87,7 +87,7 @@ class ModelRunner:
                 slots.append(table[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
             query_lens.append(n)
-            tables.append(table)
+            tables.append([max(b, 0) for b in table])  # DROPPED (out of every window) -> 0, never read
         meta = PagedAttentionMetadata.from_lists(tables, seq_lens, query_lens)
         meta.validate(len(ids), self.caches_blocks, bs)  # once per step, not once per layer
         meta = PagedAttentionMetadata(meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,

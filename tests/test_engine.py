@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.test_models_vs_hf import BASE, make_hf_checkpoint
-from tokq.engine.block_manager import BlockManager
+from tokq.engine.block_manager import BlockManager, blocks_held_at_most
 from tokq.engine.checkpoint import load_model
 from tokq.engine.kv_cache import KVCacheSpec, parse_bytes
 from tokq.engine.llm_engine import EngineConfig, EngineError, LLMEngine
@@ -74,14 +74,29 @@ def test_greedy_equals_reference(model, name):
 
 
 def test_preemption_by_recompute_keeps_output_exact(model):
-    """A pool that fits one sequence of max_model_len (16 blocks of 4): four prompts must take turns."""
+    """The smallest pool the engine accepts (one sequence of max_model_len: 16 blocks of 4, or, when every
+    layer slides, its window plus a chunk): four prompts must take turns."""
     batch = prompts([30, 22, 35, 9], seed=1)
     expected = [reference_greedy(model, p, MAX_NEW) for p in batch]
-    engine = LLMEngine(model, EngineConfig(kv_memory=16 * block_bytes(model, 4), max_model_len=64, block_size=4,
+    pool = blocks_held_at_most(64, 4, model.config.window_of_every_layer, 16)
+    engine = LLMEngine(model, EngineConfig(kv_memory=pool * block_bytes(model, 4), max_model_len=64, block_size=4,
                                            max_num_batched_tokens=16))
     outputs = engine.generate(batch, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert engine.metrics().preemptions > 0, "the pool was meant to force preemption"
+    assert engine.blocks.num_used == 0
+
+
+def test_sliding_window_blocks_are_freed(tmp_path):
+    """Every layer slides (window 7): a pool of 5 blocks of 4 serves a 60-token sequence exactly."""
+    make_hf_checkpoint("mistral-sliding", tmp_path)
+    model = load_model(tmp_path)
+    prompt = prompts([20], seed=12)[0]
+    engine = LLMEngine(model, EngineConfig(kv_memory=5 * block_bytes(model, 4), max_model_len=64, block_size=4,
+                                           max_num_batched_tokens=8))
+    assert engine.num_blocks == 5 < 60 // 4
+    out = engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert out.token_ids == reference_greedy(model, prompt, 40)
     assert engine.blocks.num_used == 0
 
 
