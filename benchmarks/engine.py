@@ -28,9 +28,9 @@ import torch
 from tokq import __version__
 from tokq.engine.checkpoint import load_model
 from tokq.engine.llm_engine import EngineConfig, LLMEngine
-from tokq.engine.roofline import copy_bandwidth, decode_roofline
+from tokq.engine.roofline import copy_bandwidth
 from tokq.engine.sampling import SamplingParams
-from tokq.engine.workload import Workload, run_workload
+from tokq.engine.workload import Workload, bench_model
 from tokq.zoo import resolve_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,21 +82,14 @@ def batch1(model_bf16, model_int4, hf_model, repeats: int, new_tokens: int) -> d
 
 def concurrency(model, workload: Workload, step_tokens: int, bandwidth_gbps: float) -> dict:
     prompts = workload.prompts(model.config.vocab_size)
-    max_len = workload.prompt_len + max(workload.output_lengths())
-    runs = {}
-    for mode in ("continuous", "static"):
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=16, max_num_batched_tokens=step_tokens,
-                                               max_model_len=max_len, static=mode == "static"))
-        engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))
-        metrics = run_workload(engine, workload, prompts)
-        roof = decode_roofline(model, engine.kv_spec.bytes_per_token, 16,
-                               workload.prompt_len + workload.gen_len / 2, bandwidth_gbps)
-        runs[mode] = {"metrics": metrics.to_json(), "roofline": roof,
-                      "roofline_fraction": roof["roofline_step_s"] / metrics.tpot_mean_s,
-                      "kernels": engine.kernel_names}
-        print(f"  {mode:10s} {metrics.output_tokens_per_s:7.1f} out tok/s  TPOT {metrics.tpot_mean_s * 1e3:6.1f} ms  "
-              f"TBT p95 {metrics.tbt_p95_s * 1e3:6.1f} ms  TTFT {metrics.ttft_mean_s:6.2f} s  "
-              f"KV waste {metrics.kv_waste:.2%}  preemptions {metrics.preemptions}", flush=True)
+    rows = bench_model(MODEL, model, workload, ["continuous", "static"],
+                       dict(max_num_seqs=16, max_num_batched_tokens=step_tokens), bandwidth_gbps, prompts)
+    runs = {row["mode"]: row for row in rows}
+    for mode, row in runs.items():
+        m = row["metrics"]
+        print(f"  {mode:10s} {m['output_tokens_per_s']:7.1f} out tok/s  TPOT {m['tpot_mean_s'] * 1e3:6.1f} ms  "
+              f"TBT p95 {m['tbt_p95_s'] * 1e3:6.1f} ms  TTFT {m['ttft_mean_s']:6.2f} s  KV waste {m['kv_waste']:.2%}  "
+              f"preemptions {m['preemptions']}  roofline {row['roofline_fraction']:.0%}", flush=True)
     cont, stat = runs["continuous"]["metrics"], runs["static"]["metrics"]
     speedup = cont["output_tokens_per_s"] / stat["output_tokens_per_s"]
     return {"workload": workload.to_json(), "max_num_batched_tokens": step_tokens, "runs": runs,

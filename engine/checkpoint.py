@@ -158,6 +158,34 @@ def load_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.dtype) -> N
     check_all_filled(targets, filled, checkpoint_dir)
 
 
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """The model's modules with uninitialized weights on `device` (RoPE tables computed, embeddings tied)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    model = model.to_empty(device=torch.device(device)).to(dtype)
+    # Buffers (RoPE inverse frequencies) are recomputed in fp32 after leaving the meta device.
+    for kind, rot in model.rotary.items():
+        rot.inv_freq = rope_inverse_frequencies(config.rope[kind], config.head_dim).to(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def random_model(config: ModelConfig, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
+                 seed: int = 0) -> CausalLM:
+    """A model of `config` with random weights (N(0, 0.02), norms at their neutral value): for speed
+    benchmarks on machines the checkpoint cannot reach; its outputs mean nothing, its costs are real."""
+    model = _empty_model(config, parse_dtype(dtype), device)
+    g = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0 - config.norm_weight_offset)
+            else:
+                param.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
 def load_model(
     checkpoint_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
 ) -> CausalLM:
@@ -165,14 +193,7 @@ def load_model(
     checkpoint_dir = Path(checkpoint_dir)
     config: ModelConfig = read_config(checkpoint_dir)
     torch_dtype = parse_dtype(dtype)
-    with torch.device("meta"):
-        model = build_model(config)
-    model = model.to_empty(device=torch.device(device)).to(torch_dtype)
-    # Buffers (RoPE inverse frequencies) are recomputed in fp32 after leaving the meta device.
-    for kind, rot in model.rotary.items():
-        rot.inv_freq = rope_inverse_frequencies(config.rope[kind], config.head_dim).to(device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = _empty_model(config, torch_dtype, device)
     # Quantized checkpoints (compressed-tensors, AutoGPTQ, AutoAWQ) load into quantized Linears;
     # quant_checkpoint builds on this module, hence the import here.
     from tokq.engine.quant_checkpoint import load_quantized_weights, read_quantization_config

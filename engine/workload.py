@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tokq.engine.llm_engine import LLMEngine
+from tokq.engine.llm_engine import EngineConfig, LLMEngine
 from tokq.engine.metrics import RunMetrics
+from tokq.engine.models import CausalLM
+from tokq.engine.roofline import decode_roofline
 from tokq.engine.sampling import SamplingParams
 
 
@@ -94,3 +96,33 @@ def run_workload(engine: LLMEngine, workload: Workload, prompts: list[list[int]]
     metrics = engine.metrics(ids)
     engine.forget(ids)
     return metrics
+
+
+def bench_model(name: str, model: CausalLM, workload: Workload, modes: list[str], engine_kwargs: dict,
+                bandwidth_gbps: float, prompts: list[list[int]], progress=None) -> list[dict]:
+    """Run the workload on one loaded model in each mode (continuous, static); one result row per mode.
+
+    `progress`: a rich Progress to show requests finishing (optional)."""
+    rows = []
+    max_len = workload.prompt_len + max(workload.output_lengths())
+    for mode in modes:
+        engine = LLMEngine(model, EngineConfig(static=mode == "static", max_model_len=max_len, **engine_kwargs))
+        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: first-call costs
+        task = progress.add_task(f"{name} {mode}", total=workload.num_requests) if progress else None
+        start = time.perf_counter()
+        metrics = run_workload(engine, workload, prompts,
+                               on_finish=(lambda n, t=task: progress.advance(t, n)) if progress else None)
+        wall = time.perf_counter() - start
+        batch = min(workload.num_requests, engine.config.max_num_seqs)
+        roof = decode_roofline(model, engine.kv_spec.bytes_per_token, batch,
+                               workload.prompt_len + workload.gen_len / 2, bandwidth_gbps)
+        weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        rows.append({
+            "variant": name, "mode": mode, "metrics": metrics.to_json(), "wall_s": wall,
+            "kernels": engine.kernel_names, "roofline": roof,
+            "roofline_fraction": roof["roofline_step_s"] / metrics.tpot_mean_s if metrics.tpot_mean_s > 0 else None,
+            "model_bytes": weights, "kv_cache_bytes": engine.kv_cache_bytes,
+            "num_blocks": engine.num_blocks, "block_size": engine.kv_spec.block_size,
+        })
+        del engine
+    return rows

@@ -8,7 +8,6 @@ decode step must read / the copy bandwidth measured in the same run) with the fr
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import typer
@@ -19,39 +18,6 @@ from rich.table import Table
 from tokq import __version__
 
 console = Console(stderr=True)
-
-
-def bench_variant(name: str, model, workload, modes: list[str], engine_kwargs: dict, bandwidth_gbps: float,
-                  prompts: list[list[int]], progress: Progress | None = None) -> list[dict]:
-    """Run the workload on one loaded model in each mode; one result row per mode."""
-    from tokq.engine.llm_engine import EngineConfig, LLMEngine
-    from tokq.engine.roofline import decode_roofline
-    from tokq.engine.sampling import SamplingParams
-    from tokq.engine.workload import run_workload
-
-    rows = []
-    max_len = workload.prompt_len + max(workload.output_lengths())
-    for mode in modes:
-        engine = LLMEngine(model, EngineConfig(static=mode == "static", max_model_len=max_len, **engine_kwargs))
-        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: first-call costs
-        task = progress.add_task(f"{name} {mode}", total=workload.num_requests) if progress else None
-        start = time.perf_counter()
-        metrics = run_workload(engine, workload, prompts,
-                               on_finish=(lambda n, t=task: progress.advance(t, n)) if progress else None)
-        wall = time.perf_counter() - start
-        batch = min(workload.num_requests, engine.config.max_num_seqs)
-        roof = decode_roofline(model, engine.kv_spec.bytes_per_token, batch,
-                               workload.prompt_len + workload.gen_len / 2, bandwidth_gbps)
-        weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        rows.append({
-            "variant": name, "mode": mode, "metrics": metrics.to_json(), "wall_s": wall,
-            "kernels": engine.kernel_names, "roofline": roof,
-            "roofline_fraction": roof["roofline_step_s"] / metrics.tpot_mean_s if metrics.tpot_mean_s > 0 else None,
-            "model_bytes": weights, "kv_cache_bytes": engine.kv_cache_bytes,
-            "num_blocks": engine.num_blocks, "block_size": engine.kv_spec.block_size,
-        })
-        del engine
-    return rows
 
 
 def bench_cmd(
@@ -84,7 +50,7 @@ def bench_cmd(
     from tokq.engine.config import read_config
     from tokq.engine.kv_cache import parse_bytes
     from tokq.engine.roofline import copy_bandwidth
-    from tokq.engine.workload import Workload
+    from tokq.engine.workload import Workload, bench_model
     from tokq.errors import ConfigError
     from tokq.reports.json_io import write_json
     from tokq.runtime import setup_runtime
@@ -122,8 +88,8 @@ def bench_cmd(
     with Progress(*columns, console=console, transient=True) as progress:
         for name in variants:
             model = load_model(checkpoints[name], dtype=compute, device=runtime.device)
-            rows += bench_variant(name, model, workload, modes, engine_kwargs, bandwidth["gbps_median"], prompts,
-                                  progress)
+            rows += bench_model(name, model, workload, modes, engine_kwargs, bandwidth["gbps_median"], prompts,
+                                progress)
             if draft and name == variants[0]:
                 rows.append(_speculative_row(name, model, draft, compute, runtime.device, workload, prompts,
                                              engine_kwargs, num_speculative))
