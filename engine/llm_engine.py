@@ -18,7 +18,7 @@ With `decode_from=d`, positions from d on are run one token per step through the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -332,6 +332,18 @@ class LLMEngine:
         ids = [self.add_request(p, sp, truncate=truncate) for p, sp in zip(prompts, plist, strict=True)]
         self._drain(ids, progress)
         return [self.output(i) for i in ids]
+
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+               truncate: bool = False) -> Iterator[StepOutput]:
+        """Generate for one prompt, yielding each step's new tokens as they come (other queued requests
+        run alongside; their outputs are kept for `output`)."""
+        seq_id = self.add_request(prompt, params, truncate=truncate)
+        while True:
+            for out in self.step():
+                if out.seq_id == seq_id:
+                    yield out
+                    if out.finished:
+                        return
 
     def output(self, seq_id: int) -> RequestOutput:
         seq = self._seqs[seq_id]

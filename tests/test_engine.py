@@ -155,6 +155,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model):
     assert alone[0].token_ids == together[0].token_ids
 
 
+def test_streamed_output(model):
+    prompt = prompts([10], seed=6)[0]
+    engine = LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=64))
+    pieces = list(engine.stream(prompt, SamplingParams(max_tokens=5, ignore_eos=True)))
+    assert [t for p in pieces for t in p.new_token_ids] == reference_greedy(model, prompt, 5)
+    assert len(pieces) == 5 and pieces[-1].finished and not any(p.finished for p in pieces[:-1])
+
+
 def test_stop_token_and_min_tokens(model):
     prompt = prompts([10], seed=2)[0]
     ref = reference_greedy(model, prompt, MAX_NEW)
@@ -162,6 +170,11 @@ def test_stop_token_and_min_tokens(model):
     engine = LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=64))
     out = engine.generate([prompt], SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[stop], ignore_eos=True))[0]
     assert out.token_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
+    late = SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[stop], min_tokens=ref.index(stop) + 2, ignore_eos=True)
+    out = engine.generate([prompt], late)[0]
+    later = [i for i, t in enumerate(ref) if t == stop and i + 1 >= late.min_tokens]
+    expected = ref[: later[0] + 1] if later else ref
+    assert out.token_ids == expected and out.finish_reason == ("stop" if later else "length")
 
 
 def test_bad_requests_are_refused_and_others_keep_running(model):

@@ -169,15 +169,23 @@ def test_sampled_tokens_keep_the_targets_distribution(tmp_path):
     tokens = torch.tensor([o.token_ids for o in outputs])
     first = torch.bincount(tokens[:, 0], minlength=vocab).double()
     second = torch.bincount(tokens[:, 1], minlength=vocab).double()
+    third = torch.bincount(tokens[:, 2], minlength=vocab).double()
 
     with torch.no_grad():
         p1 = target_model.logits(torch.tensor([prompt]))[0, -1].double().softmax(-1)
         q1 = draft_model.logits(torch.tensor([prompt]))[0, -1].double().softmax(-1)
         # P(second = t) = sum_a p1(a) p(t | prompt + a): one forward over every possible first token
         extended = torch.cat([torch.tensor([prompt]).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = p1 @ target_model.logits(extended)[:, -1].double().softmax(-1)
+        p2_given = target_model.logits(extended)[:, -1].double().softmax(-1)  # [a, t]
+        p2 = p1 @ p2_given
+        # P(third = t) = sum_ab p1(a) p(b | a) p(t | a, b): the third token is the bonus after two accepts
+        pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))
+        two = torch.cat([torch.tensor([prompt]).expand(len(pairs), -1), pairs], dim=1)
+        p3_given = target_model.logits(two)[:, -1].double().softmax(-1)
+        p3 = (p1[:, None] * p2_given).reshape(-1) @ p3_given
     assert within_standard_errors(first, p1), "the first token does not follow the target's distribution"
     assert within_standard_errors(second, p2), "the second token does not follow the target's marginal"
+    assert within_standard_errors(third, p3), "the third token does not follow the target's marginal"
     assert not within_standard_errors(first, q1), "the check cannot tell the draft's distribution apart"
 
 
