@@ -56,6 +56,17 @@ def assert_pools_empty(decoder: SpeculativeDecoder) -> None:
     assert decoder.draft.blocks.num_used == 0, "the draft's pool leaked blocks"
 
 
+def record_positions(decoder: SpeculativeDecoder) -> list[int]:
+    """Wrap both runners to record the last position (num_computed + n - 1) every forward reaches."""
+    reached: list[int] = []
+    for runner in {id(e.runner): e.runner for e in (decoder.target, decoder.draft)}.values():
+        def run(step, _run=runner.run):
+            reached.extend(s.num_computed + n - 1 for s, n in zip(step.seqs, step.num_tokens, strict=True))
+            return _run(step)
+        runner.run = run
+    return reached
+
+
 @pytest.mark.parametrize("draft_kind", ["other", "noisy", "same"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_equals_the_targets_greedy(models, k, draft_kind):
@@ -100,8 +111,10 @@ def test_greedy_with_refill_small_blocks_chunked_prefill_and_stops(models):
     expected[1] = expected[1][: expected[1].index(stop) + 1]
     decoder = SpeculativeDecoder(engine(target_model, **config), engine(models["noisy"], **config),
                                  num_speculative_tokens=4)
+    reached = record_positions(decoder)
     outputs = decoder.generate(batch, params)
     assert [o.token_ids for o in outputs] == expected
+    assert max(reached) == 64 - 1, "a forward ran past max_model_len (or the long request never reached it)"
     assert outputs[1].finish_reason == "stop" and outputs[3].finish_reason == "length"
     assert_pools_empty(decoder)
 
