@@ -111,8 +111,8 @@ class Scheduler:
         if step.preempted:
             return step  # no admissions in a step that had to preempt: the pool is full
         # 2. admit waiting sequences
-        if self.config.static and self.running:
-            return step
+        if self.config.static:
+            return self._admit_static_batch(step, budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = self.blocks.admit(seq)
@@ -122,11 +122,30 @@ class Scheduler:
                 self.blocks.undo_admit(seq, hit)  # try again next step
                 break
             self.waiting.popleft()
+            self._start(seq, n, step)
+            budget -= n
+        return step
+
+    def _start(self, seq: Sequence, n: int, step: ScheduledStep) -> None:
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        if n:
             self.blocks.append_slots(seq, n)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
             step.seqs.append(seq)
             step.num_tokens.append(n)
+
+    def _admit_static_batch(self, step: ScheduledStep, budget: int) -> ScheduledStep:
+        """Static batching: only when nothing runs, the next max_num_seqs requests become the batch at once
+        (their prompts are then read chunk by chunk within the token budget, as in continuous mode)."""
+        if self.running:
+            return step
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.popleft()
+            self.blocks.admit(seq)
+            n = self._piece(seq, budget) if budget > 0 else 0
+            if n and not self.blocks.can_append(seq, n):
+                n = 0  # its blocks come in a later step (or it is preempted and waits for the next batch)
+            self._start(seq, n, step)
             budget -= n
         return step
 

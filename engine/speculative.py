@@ -186,7 +186,7 @@ def verify_sampled(proposals: list[int], q: list[torch.Tensor], p: torch.Tensor,
                 if not float(residual.sum()) > 0:
                     residual = p[i]
                 return proposals[:i] + [_draw(residual, generator)], i
-    return proposals + [_draw(p[k], generator)], k
+    return proposals + [_draw(p[max(k - 1, 0)], generator)], k
 
 
 class SpeculativeDecoder:

@@ -114,6 +114,24 @@ def test_prefix_sharing(model):
     assert engine.metrics().prefix_hit_rate > 0.4
 
 
+def test_static_batch_is_admitted_whole_and_waits_for_its_longest(model):
+    """Static batching: the batch starts together even when the step budget cannot hold all prompts at once,
+    and the next request starts only after the whole batch finished."""
+    batch = prompts([20, 20, 20], seed=13)
+    engine = LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=64, static=True, max_num_seqs=2,
+                                           max_num_batched_tokens=8))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 9, 2)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
+    engine.step()
+    assert len(engine.scheduler.running) == 2
+    while engine.has_unfinished():
+        engine.step()
+    seqs = [engine._seqs[i] for i in ids]
+    assert seqs[2].first_scheduled_time >= max(seqs[0].finish_time, seqs[1].finish_time)
+    assert [engine.output(i).token_ids for i in ids] == [reference_greedy(model, p, sp.max_tokens)
+                                                        for p, sp in zip(batch, params, strict=True)]
+
+
 def test_requests_join_a_running_batch(model):
     """Continuous batching: a request added mid-run joins at the next step and is exact."""
     a, b, c = prompts([12, 30, 7], seed=3)
