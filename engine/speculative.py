@@ -186,7 +186,7 @@ def verify_sampled(proposals: list[int], q: list[torch.Tensor], p: torch.Tensor,
                 if not float(residual.sum()) > 0:
                     residual = p[i]
                 return proposals[:i] + [_draw(residual, generator)], i
-    return proposals + [_draw(p[max(k - 1, 0)], generator)], k
+    return proposals + [_draw(p[k], generator)], k
 
 
 class SpeculativeDecoder:
@@ -411,14 +411,15 @@ class SpeculativeDecoder:
             reason = self._stop_reason(r.target)
             if reason:
                 break
+        # The K/V of the first base + accepted positions are right in both caches (the accepted proposals
+        # were run with exactly these tokens), as far as a stop kept them; later slots hold rejected
+        # proposals and are overwritten next step. Report the committed blocks to the prefix cache even
+        # when the request finishes now, as the engine does.
+        for engine, seq in ((self.target, r.target), (self.draft, r.draft)):
+            seq.num_computed = min(seq.num_computed, base + accepted, len(seq.token_ids))
+            engine.blocks.computed(seq)
         if reason:
             self._finish(r, reason, now)
-            return
-        # The K/V of base + accepted positions are right in both caches (the accepted proposals were run
-        # with exactly these tokens); later slots hold rejected proposals and are recomputed next step.
-        for engine, seq in ((self.target, r.target), (self.draft, r.draft)):
-            seq.num_computed = min(seq.num_computed, base + accepted)
-            engine.blocks.computed(seq)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """The engine's stop rules: stop token ids and stop strings, eos (unless ignore_eos), max_tokens."""

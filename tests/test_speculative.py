@@ -121,6 +121,24 @@ def test_greedy_with_refill_small_blocks_chunked_prefill_and_stops(models):
     assert_pools_empty(decoder)
 
 
+def test_prefix_cache_holds_only_committed_tokens(models):
+    """Blocks filled during speculative steps (generated tokens, written next to rejected proposals) are
+    cached only once committed: a second request whose prompt is the first one's prompt and output hits
+    them in both pools and still decodes exactly."""
+    target_model = models["target"]
+    config = dict(block_size=4)
+    decoder = SpeculativeDecoder(engine(target_model, **config), engine(models["noisy"], **config), 3)
+    first = prompts([10], seed=6)[0]
+    out = decoder.generate([first], GREEDY)[0]
+    assert 0 < decoder.stats.acceptance_rate < 1
+    second = first + out.token_ids + [7, 8, 9]
+    again = decoder.generate([second], GREEDY)[0]
+    assert again.token_ids == reference_greedy(target_model, second, MAX_NEW)
+    assert again.metrics.cached_prompt_tokens == 20  # the 5 full blocks of the first request's 22 tokens
+    assert decoder.metrics().prefix_hit_rate > 0.5
+    assert_pools_empty(decoder)
+
+
 def test_same_engine_as_target_and_draft(models):
     """One engine may serve as both (two distinct sequences per request in one pool)."""
     target_model = models["target"]
