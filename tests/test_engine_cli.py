@@ -61,3 +61,15 @@ def test_bench_table_and_json(checkpoint, tmp_path, capsys):
         assert row["roofline"]["bytes_per_step"] > row["roofline"]["weight_bytes"] > 0
     assert report["workload"]["arrival_rate"] == 200
     assert "TPOT" in capsys.readouterr().out
+
+
+def test_bench_speculative_row(checkpoint, tmp_path):
+    """--draft adds a speculative row; the model drafting for itself is always accepted."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(checkpoint), "--draft", str(checkpoint), "--num-speculative", "3", "--prompt-len", "12",
+                 "--gen-len", "6", "--concurrency", "2", "--dtype", "fp32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["continuous", "speculative k=3"]
+    spec = rows[1]["speculative"]
+    assert spec["acceptance_rate"] == 1.0 and spec["net_speedup"] > 0
+    assert rows[1]["metrics"]["output_tokens"] == rows[0]["metrics"]["output_tokens"] == 2 * 6

@@ -91,8 +91,9 @@ def bench_cmd(
             rows += bench_model(name, model, workload, modes, engine_kwargs, bandwidth["gbps_median"], prompts,
                                 progress)
             if draft and name == variants[0]:
+                baseline = next(r for r in rows if r["variant"] == name and r["mode"] == "continuous")
                 rows.append(_speculative_row(name, model, draft, compute, runtime.device, workload, prompts,
-                                             engine_kwargs, num_speculative))
+                                             engine_kwargs, num_speculative, baseline["metrics"]["tpot_mean_s"]))
             del model
     bandwidth_end = copy_bandwidth(runtime.device)
     _print_table(rows, workload, runtime, compute, bandwidth)
@@ -114,8 +115,10 @@ def _document_tokens(folder: Path, checkpoint: Path) -> list[list[int]]:
     return [tokenizer(d.text, add_special_tokens=False)["input_ids"] for d in docs.documents]
 
 
-def _speculative_row(name, model, draft, compute, device, workload, prompts, engine_kwargs, k) -> dict:
-    """Speculative decoding of the first variant with the draft (all requests at once, batched)."""
+def _speculative_row(name, model, draft, compute, device, workload, prompts, engine_kwargs, k,
+                     baseline_tpot_s: float) -> dict:
+    """Speculative decoding of the first variant with the draft (all requests at once, batched); the net
+    speedup is against the same variant's continuous-batching TPOT, with a warning when it is below 1."""
     from tokq.engine.checkpoint import load_model
     from tokq.engine.llm_engine import EngineConfig, LLMEngine
     from tokq.engine.sampling import SamplingParams
@@ -128,12 +131,13 @@ def _speculative_row(name, model, draft, compute, device, workload, prompts, eng
     drafter = LLMEngine(draft_model, EngineConfig(max_model_len=max_len, **engine_kwargs))
     decoder = SpeculativeDecoder(target, drafter, k)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lengths()]
-    outputs = decoder.generate(prompts, params)
-    metrics = decoder.metrics(outputs)
+    decoder.generate(prompts, params)
+    metrics = decoder.metrics()
+    speedup = decoder.warn_if_slower(baseline_tpot_s)
     return {"variant": f"{name} + draft {draft}", "mode": f"speculative k={k}", "metrics": metrics.to_json(),
             "wall_s": decoder.stats.wall_s, "kernels": target.kernel_names, "roofline": None,
-            "roofline_fraction": None, "speculative": decoder.stats.to_json(),
-            "kv_cache_bytes": target.kv_cache_bytes + drafter.kv_cache_bytes}
+            "roofline_fraction": None, "speculative": {**decoder.stats.to_json(), "net_speedup": speedup},
+            "model_bytes": 0, "kv_cache_bytes": target.kv_cache_bytes + drafter.kv_cache_bytes}
 
 
 def _ms(seconds: float | None) -> str:
@@ -158,7 +162,7 @@ def _print_table(rows: list[dict], workload, runtime, compute: str, bandwidth: d
         memory = format_bytes(r.get("model_bytes", 0) + r["kv_cache_bytes"])
         kernels = ", ".join(r["kernels"]["linear"] + r["kernels"]["attention"])
         spec = r.get("speculative")
-        mode = r["mode"] + (f" (accept {spec['acceptance_rate']:.0%})" if spec else "")
+        mode = r["mode"] + (f" (accept {spec['acceptance_rate']:.0%}, x{spec['net_speedup']:.2f})" if spec else "")
         table.add_row(r["variant"], mode, _ms(m["ttft_mean_s"]), _ms(m["tpot_mean_s"]), _ms(m["tbt_p95_s"]),
                       f"{m['output_tokens_per_s']:.1f}", f"{m['total_tokens_per_s']:.1f}", memory,
                       f"{m['kv_waste']:.1%}", roof, kernels)
