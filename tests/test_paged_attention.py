@@ -207,6 +207,21 @@ def test_cpu_decode_batching_matches_reference(batch_decode):
     check_against_reference(paged_attention_cpu, case, batch_decode=batch_decode)
 
 
+@pytest.mark.parametrize("cap", [1, 3000, 1 << 30])
+@pytest.mark.parametrize("case", [
+    Case((33, 70, 5, 20, 48, 1), (1, 1, 1, 1, 1, 1), window=25),
+    Case((33, 70, 5, 20, 48, 1), (1, 1, 1, 1, 1, 1), block_size=4, kv_dtype=torch.int8),
+    Case((90, 17, 40), (1, 12, 1), dtype=torch.float16, window=30),  # decode and prefill in one batch
+], ids=str)
+def test_cpu_decode_groups_of_any_size_match_reference(case, cap, monkeypatch):
+    """Mixed-length decode sequences batched in groups under a byte cap (1 byte: one sequence per call;
+    3000: a few; 1 GiB: all in one call) give the reference's result."""
+    import tokq.kernels.cpu.attention as cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "DECODE_BATCH_BYTES", cap)
+    check_against_reference(paged_attention_cpu, case)
+
+
 @pytest.mark.parametrize("path", ["cpu", "triton"])
 @pytest.mark.parametrize("query_lens", [(1, 1), (13, 20)])
 def test_q_as_view_of_fused_projection(path, query_lens):

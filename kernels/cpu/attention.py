@@ -11,31 +11,29 @@
   that covers the whole sequence with no window uses `is_causal`; other chunks (a prefix already in
   the cache, or a window shorter than the chunk) get an explicit boolean mask with the causal offset.
 
-Decode batching, measured (2-core AVX2 CPU shared with other jobs, 1 thread, torch 2.13, fp32, block 16,
-decode of B sequences of L tokens, median of 25 interleaved runs, ms per call; batched = equal-length
-sequences stacked into one gather + one SDPA call, at most the given bytes of gathered K per call):
+Decode batching, measured (2-core AVX2 CPU shared with other jobs, 1 thread, torch 2.13, bf16, block 16,
+one decode step of B sequences with context lengths drawn from [lo, hi), median of 30 calls, ms per
+call; batched = sequences sorted by length, grouped while the group's gathered K stays under the cap,
+one gather of whole blocks per group (a row of the [num_blocks, block_size * Hkv * D] view per block,
+padded with block 0) and one SDPA call with a position mask):
 
-    model (heads, D)       B x L      per-sequence  batched<=2MiB  batched<=8MiB
-    SmolLM2 (9/3, 64)      8 x 512        1.94          2.19           2.00
-                          32 x 256        4.38          4.12           6.75
-                           8 x 2048       8.00          6.49          13.45
-                          64 x 128        5.17          3.99           4.30
-    Gemma-3 (4/1, 256)     8 x 512        1.99          1.95           1.83
-                          32 x 256        4.35          4.06           5.21
-                           8 x 2048       9.92          9.53          10.29
-                          64 x 128        5.24          4.51           5.29
+    heads (q/kv x D)   B x context       per-sequence   batched<=1MiB  <=2MiB  <=4MiB  <=8MiB
+    9/3 x 64 (SmolLM2) 16 x 256-500          1.63          1.46        1.43    1.29    1.28
+                       16 x 256-1500         2.75          2.75        2.68    2.69    3.24
+                        8 x 2000-2100        3.06          3.16        2.98    2.71    2.55
+                       64 x 100-150          4.03          2.16        2.00    1.98    1.97
+    4/1 x 256 (Gemma3) 16 x 256-500          1.84          1.82        1.74    1.69    1.70
 
-Batching pays for many short sequences (up to ~25%) and loses badly once a call gathers more than a
-few MB (fresh large buffers and cache misses: index_select then runs at ~3 GB/s), so it is kept with
-a 2 MiB cap (`DECODE_BATCH_BYTES`). About two thirds of a decode call is the gather itself (SDPA on
-pre-gathered K/V of 8 x 512: 0.46 ms). `flex_attention` was measured too and not kept: compiled
+Whole-block gathers beat the token-level gather an earlier version batched with (equal lengths only,
+2 MiB: 1.9 ms for 16 x 256-500), and batching pays most for many short sequences; past ~4 MiB per
+call the fresh buffers leave the cache and it loses again, hence `DECODE_BATCH_BYTES` = 4 MiB.
+`flex_attention` was measured too and not kept: compiled
 (torch.compile, 3-20 s per new shape) on the same pre-gathered K/V it took 0.57 / 1.07 / 0.78 /
 1.44 ms where SDPA took 0.46 / 1.00 / 0.65 / 1.27 ms (SmolLM2 8x512, 32x256; Gemma-3 8x512, 32x256).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -52,7 +50,7 @@ from ..paged import (
 )
 
 BATCH_DECODE = True  # measured above
-DECODE_BATCH_BYTES = 2 << 20  # gathered K per batched SDPA call; beyond a few MB batching loses (above)
+DECODE_BATCH_BYTES = 4 << 20  # gathered K per batched SDPA call (measured above)
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
@@ -119,14 +117,14 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         first_query = seq_lens[b] - (qsl[b + 1] - qsl[b])
         return 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
 
-    decode_groups: dict[int, list[int]] = defaultdict(list)
+    decode: list[int] = []
     for b, seq_len in enumerate(seq_lens):
         q_len = qsl[b + 1] - qsl[b]
         if q_len == 0:
             continue
         start = kv_start(b)
         if q_len == 1 and batch_decode:
-            decode_groups[seq_len - start].append(b)
+            decode.append(b)
             continue
         slots = _token_slots(meta.block_tables[b], start, seq_len, bs)
         k = _gather(k_cache, slots, k_scale, q.dtype).unsqueeze(0)
@@ -138,24 +136,50 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         elif q_len > 1:
             mask = attention_mask(q_len, seq_len, start, sliding_window)
         out[qsl[b]: qsl[b + 1]] = _attend(q[qsl[b]: qsl[b + 1]].unsqueeze(0), k, v, scale, mask, causal)[0]
-    for n, group in decode_groups.items():
-        per_call = max(1, DECODE_BATCH_BYTES // (n * key_bytes))
-        for i in range(0, len(group), per_call):
-            seqs = group[i: i + per_call]
-            _decode_group(q, out, k_cache, v_cache, meta, seqs, qsl, [kv_start(b) for b in seqs], seq_lens, scale,
-                          k_scale, v_scale)
+    if decode:
+        first_block = {b: kv_start(b) // bs for b in decode}
+        blocks = {b: -(-seq_lens[b] // bs) - first_block[b] for b in decode}
+        decode.sort(key=blocks.__getitem__)  # similar lengths share a call: little padding
+        block_bytes = bs * key_bytes
+        group: list[int] = []
+        for b in decode:
+            if group and (len(group) + 1) * blocks[b] * block_bytes > DECODE_BATCH_BYTES:
+                _decode_group(q, out, k_cache, v_cache, meta, group, qsl, first_block, blocks, kv_start, seq_lens,
+                              scale, k_scale, v_scale)
+                group = []
+            group.append(b)
+        _decode_group(q, out, k_cache, v_cache, meta, group, qsl, first_block, blocks, kv_start, seq_lens, scale,
+                      k_scale, v_scale)
     return out
 
 
 def _decode_group(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: PagedAttentionMetadata, seqs: Sequence[int], qsl: Sequence[int], starts: Sequence[int],
-                  seq_lens: Sequence[int], scale: float, k_scale: torch.Tensor | None,
-                  v_scale: torch.Tensor | None) -> None:
-    """Decode sequences that each see n keys (their last n): one gather and one SDPA call for all."""
+                  meta: PagedAttentionMetadata, seqs: Sequence[int], qsl: Sequence[int], first_block: dict[int, int],
+                  blocks: dict[int, int], kv_start, seq_lens: Sequence[int], scale: float,
+                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """Decode queries of several sequences in one SDPA call: gather whole blocks (one row per block of the
+    [num_blocks, block_size * Hkv * D] view, padded to the longest with block 0), mask by position."""
     bs = k_cache.shape[1]
-    slots = torch.stack([_token_slots(meta.block_tables[b], s, seq_lens[b], bs) for b, s in zip(seqs, starts,
-                                                                                                 strict=True)])
-    k = _gather(k_cache, slots, k_scale, q.dtype)
-    v = _gather(v_cache, slots, v_scale, q.dtype)
+    width = max(blocks[b] for b in seqs)
+    host = meta.block_tables.tolist() if not isinstance(meta.block_tables, list) else meta.block_tables
+    table = torch.tensor([host[b][first_block[b]: first_block[b] + blocks[b]] + [0] * (width - blocks[b])
+                          for b in seqs], dtype=torch.long)
+    k = _gather_blocks(k_cache, table, k_scale, q.dtype)
+    v = _gather_blocks(v_cache, table, v_scale, q.dtype)
+    first = torch.tensor([first_block[b] * bs for b in seqs])
+    pos = first[:, None] + torch.arange(width * bs)[None, :]
+    lo = torch.tensor([kv_start(b) for b in seqs])
+    hi = torch.tensor([seq_lens[b] for b in seqs])
+    mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]  # [n, 1, 1, keys]
     rows = torch.tensor([qsl[b] for b in seqs])
-    out[rows] = _attend(q[rows].unsqueeze(1), k, v, scale, None, False)[:, 0]
+    out[rows] = _attend(q[rows].unsqueeze(1), k, v, scale, mask, False)[:, 0]
+
+
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Blocks table [n, w] of the cache -> [n, w * block_size, Hkv, D] in `dtype` (int8/fp8 dequantized)."""
+    n, w = table.shape
+    rows = cache.index_select(0, table.flatten()).view(n, w * cache.shape[1], *cache.shape[2:])
+    if scale is not None:
+        return dequantize_kv(rows, scale).to(dtype)
+    return rows.to(dtype)
