@@ -237,7 +237,11 @@ class LLMEngine:
 
     def _postprocess(self, step: ScheduledStep, hidden: torch.Tensor, query_start: list[int]) -> list[StepOutput]:
         sample_rows, samplers = [], []
+        outputs: list[StepOutput] = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens, strict=True)):
+            if seq.padding:  # a finished static-batch member recomputed as padding: nothing to keep
+                seq.num_computed = len(seq.token_ids)
+                continue
             if seq.score is not None:
                 self._keep_scores(seq, hidden[query_start[i]: query_start[i + 1]], seq.num_computed, n)
             seq.num_computed += n
@@ -247,11 +251,10 @@ class LLMEngine:
             if seq.score is None and seq.num_computed == len(seq.token_ids):
                 if seq.params.max_tokens == 0:  # prompt only (e.g. to warm the prefix cache)
                     self._finish(seq, "length", time.perf_counter())
+                    outputs.append(StepOutput(seq.seq_id, [], True, "length"))
                     continue
                 sample_rows.append(query_start[i + 1] - 1)
                 samplers.append(seq)
-        outputs = [StepOutput(seq.seq_id, [], True, "length") for seq in step.seqs
-                   if seq.is_finished and seq.score is None]
         if samplers:
             logits = self.runner.logits(hidden[sample_rows])
             tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers]).tolist()
@@ -266,7 +269,7 @@ class LLMEngine:
                     self._finish(seq, reason, now)
                 outputs.append(StepOutput(seq.seq_id, [token], seq.is_finished, seq.finish_reason))
         for seq in step.seqs:
-            if seq.score is not None and seq.num_computed >= len(seq.token_ids) and not seq.is_finished:
+            if seq.score is not None and seq.num_computed >= len(seq.token_ids) and seq.finish_reason is None:
                 self._finish(seq, "scored", time.perf_counter())
                 outputs.append(StepOutput(seq.seq_id, [], True, "scored"))
         return outputs

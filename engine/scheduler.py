@@ -13,8 +13,10 @@ to be run again from its prompt plus what it generated (never lost, never a cras
 could not fit even with the pool to itself is refused when it is added (the engine checks).
 
 Static batching (`static=True`, for comparison): a batch of up to max_num_seqs waiting sequences is
-admitted only when nothing runs, and runs until its longest member finishes; seats freed early stay
-empty. Prompts are still chunked by the same token budget.
+admitted only when nothing runs, and runs until its longest member finishes. As in a fixed-shape batch
+(HF `generate`, request-level batching servers), a member that finished keeps its seat and keeps being
+computed as padding (its last token again; outputs discarded) until the whole batch is done. Prompts are
+still chunked by the same token budget.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class Scheduler:
         return min(want, budget)
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        if seq.padding:  # a finished member of a static batch: just give its seat's blocks back
+            seq.num_computed = len(seq.token_ids)
+            self._drop(seq)
+            return
         self.blocks.release(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -94,6 +100,8 @@ class Scheduler:
             seq = queue.pop(0)
             if budget <= 0:
                 break
+            if seq.padding:  # rerun its last token: same position, same slot, no new block
+                seq.num_computed = len(seq.token_ids) - 1
             n = self._piece(seq, budget)
             while not self.blocks.can_append(seq, n):
                 victim = self.running[-1]
@@ -102,7 +110,7 @@ class Scheduler:
                     break
                 if victim in queue:
                     queue.remove(victim)
-            if seq.status != Status.RUNNING:
+            if seq not in self.running:  # preempted to make room
                 continue
             self.blocks.append_slots(seq, n)
             step.seqs.append(seq)
@@ -151,5 +159,15 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
+        if not self.config.static:
+            self._drop(seq)
+            return
+        seq.padding = True  # keeps its seat until the batch is done
+        if all(s.padding for s in self.running):
+            for member in list(self.running):
+                self._drop(member)
+
+    def _drop(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        seq.padding = False
         self.running.remove(seq)

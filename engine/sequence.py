@@ -59,6 +59,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)  # when each generated token was produced
     finish_time: float | None = None
     text: str = ""  # decoded output (when the engine has a tokenizer)
+    padding: bool = False  # finished inside a static batch: keeps its seat, recomputing its last token
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -122,12 +122,19 @@ def test_static_batch_is_admitted_whole_and_waits_for_its_longest(model):
                                            max_num_batched_tokens=8))
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 9, 2)]
     ids = [engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
+    rows = []
+    run = engine.runner.run
+    engine.runner.run = lambda step: (rows.append([s.seq_id for s in step.seqs]), run(step))[1]
     engine.step()
     assert len(engine.scheduler.running) == 2
     while engine.has_unfinished():
         engine.step()
     seqs = [engine._seqs[i] for i in ids]
     assert seqs[2].first_scheduled_time >= max(seqs[0].finish_time, seqs[1].finish_time)
+    # the member that finished after 3 tokens stays in every step (as padding) until the other's 9th token
+    batch_steps = [r for r in rows if ids[2] not in r]
+    assert all(r == ids[:2] for r in batch_steps[-7:]), batch_steps
+    assert engine.blocks.num_used == 0
     assert [engine.output(i).token_ids for i in ids] == [reference_greedy(model, p, sp.max_tokens)
                                                         for p, sp in zip(batch, params, strict=True)]
 

@@ -28,8 +28,9 @@ def bench_cmd(
                                         help="Mixed output lengths: uniform in gen-len x [1 - r, 1 + r] (0: fixed)."),
     concurrency: int = typer.Option(16, "--concurrency", help="Requests served at once (the engine's max_num_seqs)."),
     num_prompts: int = typer.Option(None, "--num-prompts", help="Requests in the workload (default: --concurrency)."),
-    static: bool = typer.Option(False, "--static", help="Also run static batching (a batch runs until its longest "
-                                                        "member finishes) for comparison."),
+    static: bool = typer.Option(False, "--static", help="Also run static batching for comparison (a fixed batch runs "
+                                                        "until its longest member finishes; finished members keep "
+                                                        "computing as padding)."),
     arrival_rate: float = typer.Option(math.inf, "--arrival-rate", help="Poisson arrivals, requests per second "
                                                                        "(default: all at once)."),
     draft: str = typer.Option(None, "--draft", help="A draft model for speculative decoding (adds a 'speculative' row)."),
