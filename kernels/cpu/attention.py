@@ -34,7 +34,8 @@ call the fresh buffers leave the cache and it loses again, hence `DECODE_BATCH_B
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -95,29 +96,56 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
     return out.transpose(1, 2)
 
 
-def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
-                        scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None, batch_decode: bool | None = None) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D] in q's dtype, same contract as `paged_attention_reference`.
+@dataclass(frozen=True)
+class _PrefillPart:
+    rows: slice  # its queries in q
+    slots: torch.Tensor  # int64 [keys]: the visible keys' cache slots
+    mask: torch.Tensor | None
+    causal: bool
 
-    `batch_decode` (default: the module's measured choice) runs decode sequences that see the same
-    number of keys as one SDPA call instead of one call each.
-    """
-    dims = check_attention_inputs(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
-    if q.device.type != "cpu":
-        raise ValueError(f"paged_attention_cpu runs on CPU tensors, got q on {q.device}")
-    meta.validate(dims.num_tokens, dims.num_blocks, dims.block_size)
-    batch_decode = BATCH_DECODE if batch_decode is None else batch_decode
-    out = torch.empty_like(q)
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    rows: torch.Tensor  # int64 [n]: the sequences' query rows in q
+    blocks: torch.Tensor  # int64 [n * width]: the blocks to gather (padded with block 0)
+    width: int
+    mask: torch.Tensor  # bool [n, 1, 1, width * block_size]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a call does for one metadata and window, independent of the layer: computed once per step
+    (every layer of a model reuses it) and cached by the metadata object's identity."""
+
+    prefill: list[_PrefillPart]
+    decode: list[_DecodeGroup]
+
+
+_plan_cache: dict = {"meta": None, "plans": {}}
+
+
+def _plan(meta: PagedAttentionMetadata, sliding_window: int | None, block_size: int, key_bytes: int,
+          batch_decode: bool) -> _Plan:
+    cached = _plan_cache["meta"]
+    if cached is None or cached() is not meta:
+        _plan_cache["meta"], _plan_cache["plans"] = weakref.ref(meta), {}
+    key = (sliding_window, block_size, key_bytes, batch_decode)
+    plan = _plan_cache["plans"].get(key)
+    if plan is None:
+        plan = _plan_cache["plans"][key] = _make_plan(meta, sliding_window, block_size, key_bytes, batch_decode)
+    return plan
+
+
+def _make_plan(meta: PagedAttentionMetadata, sliding_window: int | None, bs: int, key_bytes: int,
+               batch_decode: bool) -> _Plan:
     qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-    bs = dims.block_size
-    key_bytes = dims.num_kv_heads * dims.head_dim * q.element_size()
+    tables = meta.block_tables.tolist()
 
     def kv_start(b: int) -> int:  # first key any query of sequence b can see
         first_query = seq_lens[b] - (qsl[b + 1] - qsl[b])
         return 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
 
-    decode: list[int] = []
+    prefill, decode = [], []
     for b, seq_len in enumerate(seq_lens):
         q_len = qsl[b + 1] - qsl[b]
         if q_len == 0:
@@ -127,59 +155,69 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             decode.append(b)
             continue
         slots = _token_slots(meta.block_tables[b], start, seq_len, bs)
-        k = _gather(k_cache, slots, k_scale, q.dtype).unsqueeze(0)
-        v = _gather(v_cache, slots, v_scale, q.dtype).unsqueeze(0)
         window_cuts = sliding_window is not None and sliding_window < seq_len - start
         mask, causal = None, False
         if q_len > 1 and start == 0 and q_len == seq_len and not window_cuts:
             causal = True  # SDPA's is_causal is top-left aligned: right only when queries == keys
         elif q_len > 1:
             mask = attention_mask(q_len, seq_len, start, sliding_window)
-        out[qsl[b]: qsl[b + 1]] = _attend(q[qsl[b]: qsl[b + 1]].unsqueeze(0), k, v, scale, mask, causal)[0]
+        prefill.append(_PrefillPart(slice(qsl[b], qsl[b + 1]), slots, mask, causal))
+    groups: list[_DecodeGroup] = []
     if decode:
         first_block = {b: kv_start(b) // bs for b in decode}
         blocks = {b: -(-seq_lens[b] // bs) - first_block[b] for b in decode}
         decode.sort(key=blocks.__getitem__)  # similar lengths share a call: little padding
-        block_bytes = bs * key_bytes
         group: list[int] = []
-        for b in decode:
-            if group and (len(group) + 1) * blocks[b] * block_bytes > DECODE_BATCH_BYTES:
-                _decode_group(q, out, k_cache, v_cache, meta, group, qsl, first_block, blocks, kv_start, seq_lens,
-                              scale, k_scale, v_scale)
+        for b in decode + [None]:
+            if group and (b is None or (len(group) + 1) * blocks[b] * bs * key_bytes > DECODE_BATCH_BYTES):
+                width = max(blocks[g] for g in group)
+                table = torch.tensor([tables[g][first_block[g]: first_block[g] + blocks[g]] + [0] * (width - blocks[g])
+                                      for g in group], dtype=torch.long)
+                pos = torch.tensor([first_block[g] * bs for g in group])[:, None] + torch.arange(width * bs)[None, :]
+                lo = torch.tensor([kv_start(g) for g in group])[:, None]
+                hi = torch.tensor([seq_lens[g] for g in group])[:, None]
+                groups.append(_DecodeGroup(torch.tensor([qsl[g] for g in group]), table.flatten(), width,
+                                           ((pos >= lo) & (pos < hi))[:, None, None, :]))
                 group = []
-            group.append(b)
-        _decode_group(q, out, k_cache, v_cache, meta, group, qsl, first_block, blocks, kv_start, seq_lens, scale,
-                      k_scale, v_scale)
+            if b is not None:
+                group.append(b)
+    return _Plan(prefill, groups)
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
+                        scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None, batch_decode: bool | None = None) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D] in q's dtype, same contract as `paged_attention_reference`.
+
+    `batch_decode` (default: the module's measured choice) runs decode sequences in groups, one SDPA
+    call per group, instead of one call each. The plan (which keys each query sees, the groups, the
+    masks) depends only on the metadata and the window, so it is built once per step and reused by
+    every layer (the metadata object is the key).
+    """
+    dims = check_attention_inputs(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+    if q.device.type != "cpu":
+        raise ValueError(f"paged_attention_cpu runs on CPU tensors, got q on {q.device}")
+    meta.validate(dims.num_tokens, dims.num_blocks, dims.block_size)
+    batch_decode = BATCH_DECODE if batch_decode is None else batch_decode
+    key_bytes = dims.num_kv_heads * dims.head_dim * q.element_size()
+    plan = _plan(meta, sliding_window, dims.block_size, key_bytes, batch_decode)
+    out = torch.empty_like(q)
+    for part in plan.prefill:
+        k = _gather(k_cache, part.slots, k_scale, q.dtype).unsqueeze(0)
+        v = _gather(v_cache, part.slots, v_scale, q.dtype).unsqueeze(0)
+        out[part.rows] = _attend(q[part.rows].unsqueeze(0), k, v, scale, part.mask, part.causal)[0]
+    for group in plan.decode:
+        n = group.rows.shape[0]
+        k = _gather_blocks(k_cache, group.blocks, n, k_scale, q.dtype)
+        v = _gather_blocks(v_cache, group.blocks, n, v_scale, q.dtype)
+        out[group.rows] = _attend(q[group.rows].unsqueeze(1), k, v, scale, group.mask, False)[:, 0]
     return out
 
 
-def _decode_group(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: PagedAttentionMetadata, seqs: Sequence[int], qsl: Sequence[int], first_block: dict[int, int],
-                  blocks: dict[int, int], kv_start, seq_lens: Sequence[int], scale: float,
-                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
-    """Decode queries of several sequences in one SDPA call: gather whole blocks (one row per block of the
-    [num_blocks, block_size * Hkv * D] view, padded to the longest with block 0), mask by position."""
-    bs = k_cache.shape[1]
-    width = max(blocks[b] for b in seqs)
-    host = meta.block_tables.tolist() if not isinstance(meta.block_tables, list) else meta.block_tables
-    table = torch.tensor([host[b][first_block[b]: first_block[b] + blocks[b]] + [0] * (width - blocks[b])
-                          for b in seqs], dtype=torch.long)
-    k = _gather_blocks(k_cache, table, k_scale, q.dtype)
-    v = _gather_blocks(v_cache, table, v_scale, q.dtype)
-    first = torch.tensor([first_block[b] * bs for b in seqs])
-    pos = first[:, None] + torch.arange(width * bs)[None, :]
-    lo = torch.tensor([kv_start(b) for b in seqs])
-    hi = torch.tensor([seq_lens[b] for b in seqs])
-    mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]  # [n, 1, 1, keys]
-    rows = torch.tensor([qsl[b] for b in seqs])
-    out[rows] = _attend(q[rows].unsqueeze(1), k, v, scale, mask, False)[:, 0]
-
-
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None,
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tensor | None,
                    dtype: torch.dtype) -> torch.Tensor:
-    """Blocks table [n, w] of the cache -> [n, w * block_size, Hkv, D] in `dtype` (int8/fp8 dequantized)."""
-    n, w = table.shape
-    rows = cache.index_select(0, table.flatten()).view(n, w * cache.shape[1], *cache.shape[2:])
+    """n sequences' blocks (flattened [n * w]) -> [n, w * block_size, Hkv, D] in `dtype` (int8/fp8 dequantized)."""
+    rows = cache.index_select(0, blocks).view(n, -1, *cache.shape[2:])
     if scale is not None:
         return dequantize_kv(rows, scale).to(dtype)
     return rows.to(dtype)
