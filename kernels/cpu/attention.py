@@ -3,13 +3,14 @@
 - `write_kv_cpu`: one `index_copy_` per cache into its flattened [num_blocks * block_size, Hkv, D]
   view (the cache must be contiguous); padding slots (< 0) are dropped first. int8/fp8 caches are
   quantized with the per-head scales exactly as the reference does.
-- `paged_attention_cpu`: per sequence, gather the K/V it can see (only the sliding window's part
-  when there is one) into contiguous tensors with one token-level `index_select`, dequantizing
-  int8/fp8 on the way (a float cache of another dtype is cast), and run
-  `F.scaled_dot_product_attention(..., enable_gqa=True)` in q's dtype.
-  A mask is built only where needed: a decode query sees exactly the gathered keys (none); a chunk
-  that covers the whole sequence with no window uses `is_causal`; other chunks (a prefix already in
-  the cache, or a window shorter than the chunk) get an explicit boolean mask with the causal offset.
+- `paged_attention_cpu`: a prefill chunk gathers the K/V its sequence can see (only the sliding
+  window's part when there is one) with one token-level `index_select`, dequantizing int8/fp8 on the
+  way (a float cache of another dtype is cast), and runs `F.scaled_dot_product_attention(...,
+  enable_gqa=True)` in q's dtype: `is_causal` when the chunk covers the whole sequence with no window
+  cutting it, else an explicit boolean mask with the causal offset. Decode queries are batched (below).
+  Which keys each query sees, the decode groups and the masks depend only on the metadata and the
+  window: that plan is built once per metadata object (once per engine step) and reused by every
+  layer, which took a batch-1 decode call from 141 to 87 us (SmolLM2 heads, 600 tokens, bf16).
 
 Decode batching, measured (2-core AVX2 CPU shared with other jobs, 1 thread, torch 2.13, bf16, block 16,
 one decode step of B sequences with context lengths drawn from [lo, hi), median of 30 calls, ms per
