@@ -91,6 +91,7 @@ class WindowScores:
     topk_ids: torch.Tensor | None  # int64 [L - 1, k]
     topk_logprobs: torch.Tensor | None  # fp32 [L - 1, k]
     decode_from: int | None = None
+    gathered: torch.Tensor | None = None  # fp32 [L - 1, k]: log-probabilities at the requested gather_ids
 
 
 @dataclass
@@ -308,6 +309,9 @@ class LLMEngine:
                 values, ids = logprobs.topk(score.topk, dim=-1)
                 score.topk_logprobs.append(values.cpu())
                 score.topk_ids.append(ids.cpu())
+            if score.gather_ids is not None:
+                wanted = score.gather_ids[start + lo: start + hi].to(logprobs.device)
+                score.gathered.append(logprobs.gather(1, wanted).cpu())
 
     # Batch APIs -----------------------------------------------------------------------------------
 
@@ -357,19 +361,30 @@ class LLMEngine:
                              seq.finish_reason, RequestMetrics.of(seq))
 
     def score(self, windows: Iterable[Seq[int] | torch.Tensor], topk: int = 0, decode_from: int | None = None,
-              progress: Callable[[int], None] | None = None) -> list[WindowScores]:
-        """Score token windows (see the module docstring); results in the windows' order."""
+              progress: Callable[[int], None] | None = None,
+              gather_ids: Seq[torch.Tensor | None] | None = None) -> list[WindowScores]:
+        """Score token windows (see the module docstring); results in the windows' order.
+
+        `gather_ids`: per window, an int64 [len - 1, k] tensor of token ids whose log-probabilities to
+        keep at each position as well (a candidate scored at its baseline's top-k ids, for KL)."""
         if topk < 0 or topk > self.model.config.vocab_size:
             raise EngineError(f"topk={topk}: must be between 0 and the vocabulary size {self.model.config.vocab_size}")
         if decode_from is not None and decode_from < 1:
             raise EngineError(f"decode_from={decode_from}: must be >= 1 (the first token is always prefilled)")
         ids = []
-        for window in windows:
+        windows = list(windows)
+        gathers = list(gather_ids) if gather_ids is not None else [None] * len(windows)
+        if len(gathers) != len(windows):
+            raise EngineError(f"gather_ids has {len(gathers)} entries for {len(windows)} windows: give one per window")
+        for window, gather in zip(windows, gathers, strict=True):
             tokens = self._tokens(window)
             if len(tokens) < 2:
                 raise EngineError(f"a window of {len(tokens)} token(s) has nothing to score: give at least 2 tokens")
+            if gather is not None and (gather.dim() != 2 or gather.shape[0] != len(tokens) - 1):
+                raise EngineError(f"gather_ids for a window of {len(tokens)} tokens must be [{len(tokens) - 1}, k], "
+                                  f"got {tuple(gather.shape)}")
             ids.append(self.add_request(tokens, SamplingParams(max_tokens=0),
-                                        score=ScoreRequest(topk=topk, decode_from=decode_from)))
+                                        score=ScoreRequest(topk=topk, decode_from=decode_from, gather_ids=gather)))
         self._drain(ids, progress)
         results = []
         for i in ids:
@@ -378,7 +393,7 @@ class LLMEngine:
             results.append(WindowScores(
                 seq.token_ids, torch.cat(s.logprobs),
                 torch.cat(s.topk_ids) if s.topk else None, torch.cat(s.topk_logprobs) if s.topk else None,
-                decode_from))
+                decode_from, torch.cat(s.gathered) if s.gather_ids is not None else None))
         return results
 
     def metrics(self, seq_ids: Iterable[int] | None = None) -> RunMetrics:

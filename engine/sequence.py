@@ -34,9 +34,11 @@ class ScoreRequest:
 
     topk: int = 0
     decode_from: int | None = None
+    gather_ids: torch.Tensor | None = None  # int64 [L - 1, k]: also keep the log-probabilities of these ids
     logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n] per chunk
     topk_ids: list[torch.Tensor] = field(default_factory=list)  # int64 [n, topk]
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n, topk]
+    gathered: list[torch.Tensor] = field(default_factory=list)  # fp32 [n, k] at gather_ids
 
 
 @dataclass

@@ -171,6 +171,18 @@ def test_score_equals_reference(model, decode_from):
         assert torch.allclose(score.topk_logprobs[:, 0], full.gather(1, score.topk_ids[:, :1])[:, 0], atol=1e-4)
 
 
+def test_score_gathers_requested_ids(model):
+    """A candidate scored at a baseline's top-k ids: log-probabilities at exactly those ids, per position."""
+    window = prompts([30], seed=14)[0]
+    engine = LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=64, max_num_batched_tokens=8))
+    ids = torch.randint(0, VOCAB, (29, 7), generator=torch.Generator().manual_seed(1))
+    score = engine.score([window], gather_ids=[ids])[0]
+    full = torch.log_softmax(model.logits(torch.tensor([window]))[0, :-1].float(), -1)
+    assert (score.gathered - full.gather(1, ids)).abs().max().item() < 1e-4
+    with pytest.raises(EngineError, match=r"must be \[29, k\]"):
+        engine.score([window], gather_ids=[ids[:5]])
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(model):
     batch = prompts([9, 14, 3], seed=11)
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=123, ignore_eos=True)
