@@ -15,6 +15,7 @@ from rich.logging import RichHandler
 
 from tokq import __version__
 from tokq.commands.bench import bench_cmd
+from tokq.commands.compare import compare_cmd
 from tokq.commands.data import data_app
 from tokq.commands.kernels import kernels_app
 from tokq.commands.kv_calc import kv_calc_cmd
@@ -37,6 +38,7 @@ app.command("score")(score_cmd)
 app.command("quantize")(quantize_cmd)
 app.command("kv-calc")(kv_calc_cmd)
 app.command("bench")(bench_cmd)
+app.command("compare")(compare_cmd)
 
 
 @app.command("version")

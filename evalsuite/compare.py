@@ -1,0 +1,262 @@
+"""`compare A B`: both models score the same windows of the user's documents through the engine's paged
+path; per-token metrics, per-document / per-position-bucket / overall aggregates with paired-bootstrap
+CIs, a decode-path check, retrieval probes, and thresholds.
+
+The flow: windows (longctx) -> A's scores (baseline cache or one engine pass: chunked prefill, plus the
+decode path on a sample of windows) -> B scored at A's top-k ids -> metrics (evalsuite.ab) -> aggregates
+(evalsuite.stats) -> thresholds. A and B are never loaded at the same time.
+
+Decode-path check: on `decode_windows` windows, the last `decode_tokens` positions are scored one token
+per step through the decode kernels and the KV cache, for both models, and reported separately (a
+quantized or fp8 KV cache, or a decode-kernel difference, only shows there). The noise floor is A's own
+decode path against A's prefill path on those tokens: differences below it are kernel noise, not damage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from tokq import __version__
+from tokq.errors import DataError
+from tokq.evalsuite import baseline_cache
+from tokq.evalsuite.ab import BaselineWindow, TokenMetrics, score_baseline, score_candidate
+from tokq.evalsuite.stats import aggregate, check_threshold, mcnemar_exact
+from tokq.longctx.windows import TokenWindow, WindowSet
+
+log = logging.getLogger("tokq")
+
+# name -> (aggregate metric, direction): thresholds fail when the CI's unfavourable bound crosses them
+THRESHOLD_METRICS = {"max_kl": ("kl", "max"), "min_top1": ("top1", "min"), "max_ppl_ratio": ("ppl_ratio", "max"),
+                     "max_flip_rate": ("flip_rate", "max")}
+
+
+@dataclass
+class CompareSettings:
+    window: int = 2048
+    stride: int | None = None
+    max_tokens: int | None = None
+    topk: int = 64
+    decode_windows: int = 2
+    decode_tokens: int = 128
+    probes: bool = True
+    probe_max_context: int | None = None  # None: the window
+    probe_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    resamples: int = 1000
+    seed: int = 0
+    use_cache: bool = True
+    dtype: str = "bf16"
+    kv_dtype: str | None = None
+    kv_memory: int | None = None
+    thresholds: dict[str, dict[str | None, float]] = field(default_factory=dict)  # name -> {bucket|None: value}
+
+
+@dataclass
+class ModelRun:
+    """What compare needs of one model: its engine factory and identity."""
+
+    name: str
+    checkpoint: Path
+    load: Callable[[], object]  # -> LLMEngine (built lazily: A is not loaded on a cache hit)
+    tokenizer: object
+
+
+def decode_sample(windows: list[TokenWindow], count: int, decode_tokens: int) -> tuple[list[TokenWindow], int]:
+    """`count` windows spread evenly over the set, each scored from `decode_from` on through the decode path."""
+    if count <= 0 or not windows:
+        return [], 0
+    picks = sorted({round(i * (len(windows) - 1) / max(count - 1, 1)) for i in range(count)})
+    chosen = [windows[i] for i in picks]
+    shortest = min(len(w.tokens) for w in chosen)
+    decode_from = max(1, shortest - decode_tokens)
+    return [replace(w, score_from=max(w.score_from, decode_from)) for w in chosen], decode_from
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str], settings: CompareSettings,
+                probe_documents=None, progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict:
+    """Everything `tokq compare` reports, as a JSON-ready dict (the source of truth)."""
+    s = settings
+    wins = windows.windows
+    doc_of = {d: i for i, d in enumerate(doc_ids)}
+    doc_index = [doc_of[w.doc_id] for w in wins]
+    dwins, decode_from = decode_sample(wins, s.decode_windows, s.decode_tokens)
+    ddoc_index = [doc_of[w.doc_id] for w in dwins]
+    key_parts = dict(model=baseline_cache.model_hash(a.checkpoint), data=baseline_cache.data_hash(wins),
+                     decode=baseline_cache.data_hash(dwins), window=s.window, stride=windows.stride,
+                     max_tokens=s.max_tokens, topk=s.topk, decode_from=decode_from, dtype=s.dtype, kv_dtype=s.kv_dtype,
+                     probes=[s.probes, s.probe_max_context, list(s.probe_depths), s.seed])
+    key = baseline_cache.cache_key(**key_parts)
+    tick = (lambda label, total: progress(label, total)) if progress else (lambda label, total: None)
+    cached = baseline_cache.load(key) if s.use_cache else None
+    cache_info = {"key": key, "hit": cached is not None, "enabled": s.use_cache}
+    engine_a = None
+    if cached is not None:
+        base_prefill, base_decode = cached[0][: len(wins)], cached[0][len(wins):]
+        a_extra = cached[1]
+        a_seconds = 0.0
+    else:
+        engine_a = a.load()
+        start = time.perf_counter()
+        base_prefill = score_baseline(engine_a, wins, s.topk, progress=tick(f"{a.name}: prefill path", len(wins)))
+        base_decode = score_baseline(engine_a, dwins, s.topk, decode_from, tick(f"{a.name}: decode path", len(dwins))) \
+            if dwins else []
+        floor = _floor(engine_a, dwins, wins, base_prefill, ddoc_index, decode_from, s)
+        a_probes = _probes(engine_a, a.tokenizer, probe_documents, s) if s.probes else None
+        a_seconds = time.perf_counter() - start
+        a_extra = {"floor": floor, "probes": a_probes, "seconds": a_seconds}
+        if s.use_cache:
+            folder, size = baseline_cache.store(key, [*base_prefill, *base_decode], a_extra)
+            cache_info.update(path=str(folder), bytes=size)
+        del engine_a
+    if cached is not None:
+        cache_info.update(path=str(baseline_cache.cache_dir() / key),
+                          bytes=(baseline_cache.cache_dir() / key / "scores.safetensors").stat().st_size)
+    engine_b = b.load()
+    start = time.perf_counter()
+    prefill = score_candidate(engine_b, wins, base_prefill, doc_index, progress=tick(f"{b.name}: prefill path",
+                                                                                     len(wins)))
+    decode = score_candidate(engine_b, dwins, base_decode, ddoc_index, decode_from,
+                             tick(f"{b.name}: decode path", len(dwins))) if dwins else None
+    b_probes = _probes(engine_b, b.tokenizer, probe_documents, s) if s.probes else None
+    b_seconds = time.perf_counter() - start
+    scored_tokens = sum(len(w.tokens) for w in wins) + sum(len(w.tokens) for w in dwins)
+
+    result = {
+        "tokq_version": __version__, "a": {"name": a.name, "checkpoint": str(a.checkpoint)},
+        "b": {"name": b.name, "checkpoint": str(b.checkpoint)}, "settings": _settings_json(s),
+        "windows": {"count": len(wins), "tokens": windows.n_tokens, "scored_tokens": prefill.tokens,
+                    "documents": len(doc_ids), "window": s.window, "stride": windows.stride,
+                    "dropped_documents": windows.dropped_documents, "dropped_tails": windows.dropped_tails,
+                    "stopped_by": windows.stopped_by},
+        "kl_method": (f"KL(A||B) over A's top-{s.topk} tokens plus one bucket for the remaining mass (a lower bound "
+                      "of the full-vocabulary KL; exact when k is the vocabulary)"),
+        "coverage_mean": float(prefill.coverage.mean()) if prefill.tokens else None,
+        "prefill": _aggregate(prefill, doc_ids, s),
+        "decode": ({**_aggregate(decode, doc_ids, s), "decode_from": decode_from, "windows": len(dwins)}
+                   if decode is not None else None),
+        "noise_floor": a_extra["floor"],
+        "probes": _probe_comparison(a_extra["probes"], b_probes) if s.probes else None,
+        "cache": cache_info,
+        "throughput": {"a_tokens_per_s": scored_tokens / a_extra["seconds"] if a_extra["seconds"] else None,
+                       "b_tokens_per_s": scored_tokens / b_seconds if b_seconds else None,
+                       "a_seconds": a_seconds, "b_seconds": b_seconds, "scored_tokens": scored_tokens},
+        "kernels": {"b": engine_b.kernel_names},
+    }
+    result["thresholds"] = evaluate_thresholds(result, s.thresholds)
+    result["passed"] = all(t["passed"] for t in result["thresholds"])
+    return result
+
+
+def _aggregate(metrics: TokenMetrics, doc_ids: list[str], s: CompareSettings) -> dict:
+    if metrics.tokens == 0:
+        raise DataError("no token was scored: the documents give no window with a token to predict")
+    return aggregate(metrics.as_dict(), metrics.doc_index, metrics.position, doc_ids, s.window, resamples=s.resamples,
+                     seed=s.seed)
+
+
+def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefill: list[BaselineWindow],
+           ddoc_index: list[int], decode_from: int, s: CompareSettings) -> dict | None:
+    """A's decode path against A's prefill path on the decode sample: the kernels' own noise."""
+    if not dwins:
+        return None
+    rows = []
+    for dw in dwins:
+        full = next(i for i, w in enumerate(wins) if w.doc_id == dw.doc_id and w.start == dw.start)
+        skip = dw.score_from - max(wins[full].score_from, 1)
+        base = base_prefill[full]
+        rows.append(BaselineWindow(base.logprob[skip:], base.topk_ids[skip:], base.topk_logprobs[skip:]))
+    metrics = score_candidate(engine, dwins, rows, ddoc_index, decode_from)
+    return {"tokens": metrics.tokens, "kl_mean": float(metrics.kl.mean()), "kl_max": float(metrics.kl.max()),
+            "top1": float(metrics.top1.mean()), "delta_nll_mean": float(metrics.delta_nll.mean()),
+            "what": "A's decode path vs A's prefill path on the decode sample (kernel noise, not damage)"}
+
+
+def _probes(engine, tokenizer, documents, s: CompareSettings) -> list[dict] | None:
+    from tokq.engine.tokenizer import model_adds_bos
+    from tokq.longctx.probes import build_probes, default_contexts, run_probes
+
+    if not documents:
+        return None
+    max_context = min(s.probe_max_context or s.window, engine.max_model_len)
+    contexts = default_contexts(max_context)
+    if not contexts:
+        return None
+    probes = build_probes(documents, tokenizer, contexts, s.probe_depths, seed=s.seed,
+                          add_bos=model_adds_bos(tokenizer))
+    return [{"context": r.context, "depth": r.depth, "correct": bool(r.correct), "answer": r.answer,
+             "output": r.output_text} for r in run_probes(engine, probes)]
+
+
+def _probe_comparison(a: list[dict] | None, b: list[dict] | None) -> dict | None:
+    if not a or not b:
+        return None
+    pairs = list(zip(a, b, strict=True))
+    a_only = [(x["context"], x["depth"]) for x, y in pairs if x["correct"] and not y["correct"]]
+    b_only = [(x["context"], x["depth"]) for x, y in pairs if y["correct"] and not x["correct"]]
+    n = len(pairs)
+
+    def grid(results: list[dict]) -> dict:
+        out: dict[str, dict[str, bool]] = {}
+        for r in results:
+            out.setdefault(str(r["context"]), {})[f"{r['depth']:.2f}"] = r["correct"]
+        return out
+
+    return {"n": n, "a_accuracy": sum(x["correct"] for x in a) / n, "b_accuracy": sum(y["correct"] for y in b) / n,
+            "a_right_b_wrong": len(a_only), "a_wrong_b_right": len(b_only), "flip_rate": len(a_only) / n,
+            "flipped": a_only, "recovered": b_only, "mcnemar_p": mcnemar_exact(len(a_only), len(b_only)),
+            "a_grid": grid(a), "b_grid": grid(b)}
+
+
+def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, float]]) -> list[dict]:
+    """Each threshold against the prefill path's estimate (overall or per bucket): it fails when the
+    95% CI's unfavourable bound crosses it. The flip rate has no CI: its point value is used."""
+    from tokq.evalsuite.stats import Estimate
+
+    out = []
+    for name, per_bucket in thresholds.items():
+        metric, direction = THRESHOLD_METRICS[name]
+        for bucket, value in per_bucket.items():
+            if metric == "flip_rate":
+                probes = result.get("probes")
+                if not probes:
+                    out.append({"name": name, "metric": metric, "bucket": None, "threshold": value, "passed": True,
+                                "rule": "no retrieval probes ran: not checked"})
+                    continue
+                rate = probes["flip_rate"]
+                est = Estimate(rate, rate, rate, 0, probes["n"])
+            else:
+                source = result["prefill"]["overall"] if bucket is None else result["prefill"]["buckets"].get(bucket)
+                if source is None or metric not in source:
+                    known = ", ".join(result["prefill"]["buckets"])
+                    raise DataError(f"--{name.replace('_', '-')} names bucket {bucket!r}, which these windows do not "
+                                    f"reach (buckets: {known})")
+                est = Estimate(**{k: source[metric][k] for k in ("value", "low", "high", "n_tokens", "n_docs")})
+            check = check_threshold(est, value, direction, metric, bucket)
+            out.append({"name": name, "metric": metric, "bucket": bucket, "threshold": value, "passed": check.passed,
+                        "value": est.value, "low": est.low, "high": est.high, "rule": check.rule})
+    return out
+
+
+def _settings_json(s: CompareSettings) -> dict:
+    out = asdict(s)
+    out["thresholds"] = {k: {str(b): v for b, v in per.items()} for k, per in s.thresholds.items()}
+    return out
+
+
+def token_window_docs(windows: WindowSet) -> list[str]:
+    """Document ids in the order their first window appears."""
+    return list(dict.fromkeys(w.doc_id for w in windows.windows))
+
+
+def describe_lengths(doc_tokens: dict[str, int], capacity: int) -> dict:
+    shorter = [d for d, n in doc_tokens.items() if n <= capacity]
+    return {"shorter_than_window": len(shorter), "windowed": len(doc_tokens) - len(shorter)}

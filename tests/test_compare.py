@@ -1,0 +1,135 @@
+"""`tokq compare` on tiny checkpoints with a real word-level tokenizer: the self-comparison floor, a damaged
+candidate failing its threshold, the baseline cache (hit, corruption), per-token metrics against a direct
+computation, and bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_quantize_cli import WORDS, save_word_tokenizer
+from tests.test_models_vs_hf import make_hf_checkpoint
+from tokq.cli import main
+from tokq.evalsuite.ab import BaselineWindow, token_metrics
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, seed in (("a", 0), ("other", 1)):
+        path = root / name
+        make_hf_checkpoint("llama", path, seed=seed)
+        save_word_tokenizer(path)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("docs")
+    rng = random.Random(0)
+    for i, n in enumerate((700, 300, 90, 500)):
+        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n)) + "\n")
+    return folder
+
+
+def compare(capsys, a, b, docs, tmp_path, *extra) -> tuple[int, dict | None, str]:
+    out = tmp_path / "cmp.json"
+    code = main(["compare", str(a), str(b), "--data", str(docs), "--window", "128", "--threads", "1", "--dtype",
+                 "fp32", "--no-probes", "--decode-tokens", "16", "--resamples", "200", "--json", str(out),
+                 *map(str, extra)])
+    captured = capsys.readouterr()
+    return code, json.loads(out.read_text()) if out.exists() else None, captured.out + captured.err
+
+
+def test_self_comparison_is_the_noise_floor(capsys, models, docs, tmp_path):
+    code, result, text = compare(capsys, models["a"], models["a"], docs, tmp_path, "--max-kl", "1e-6",
+                                 "--min-top1", "0.999")
+    assert code == 0, text
+    overall = result["prefill"]["overall"]
+    assert overall["kl"]["high"] < 1e-6 and overall["top1"]["value"] == 1.0
+    assert abs(overall["ppl_ratio"]["value"] - 1) < 1e-5
+    assert result["windows"]["documents"] == 4 and result["data"]["shorter_than_window"] == 1  # 90 words: whole
+    assert result["noise_floor"]["tokens"] >= 2 * 16 and result["noise_floor"]["kl_mean"] < 1e-6  # fp32 kernels
+    assert "PASS" in text and "| KL(A‖B) |" in text
+
+
+def test_damaged_candidate_fails_on_the_ci_bound(capsys, models, docs, tmp_path):
+    code, result, text = compare(capsys, models["a"], models["other"], docs, tmp_path, "--max-kl", "0.01",
+                                 "--max-ppl-ratio", "100")
+    assert code == 1, text
+    failed = {t["name"]: t for t in result["thresholds"]}
+    assert not failed["max_kl"]["passed"] and failed["max_ppl_ratio"]["passed"]
+    kl = result["prefill"]["overall"]["kl"]
+    assert kl["low"] <= kl["value"] <= kl["high"] and kl["value"] > 0.01
+    assert set(result["prefill"]["buckets"]) == {"0-511"} and result["decode"]["windows"] == 2
+    assert "REGRESSION" in text and "**FAIL**" in text
+
+
+def test_baseline_cache_hit_and_corruption(capsys, models, docs, tmp_path, caplog):
+    first = compare(capsys, models["a"], models["other"], docs, tmp_path / "1")
+    second = compare(capsys, models["a"], models["other"], docs, tmp_path / "2")
+    assert not first[1]["cache"]["hit"] and second[1]["cache"]["hit"] and second[1]["cache"]["bytes"] > 0
+    assert first[1]["prefill"]["overall"] == second[1]["prefill"]["overall"]
+    assert first[1]["noise_floor"] == second[1]["noise_floor"]
+    data = Path(second[1]["cache"]["path"]) / "scores.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    third = compare(capsys, models["a"], models["other"], docs, tmp_path / "3")
+    assert not third[1]["cache"]["hit"] and "checksum" in caplog.text
+    assert third[1]["prefill"]["overall"] == first[1]["prefill"]["overall"]
+    fourth = compare(capsys, models["a"], models["other"], docs, tmp_path / "4", "--no-cache")
+    assert not fourth[1]["cache"]["hit"] and not fourth[1]["cache"]["enabled"]
+
+
+def test_token_metrics_against_full_distributions():
+    """With k = the whole vocabulary the bucketed KL is the exact KL; with a smaller k it is a lower bound."""
+    g = torch.Generator().manual_seed(0)
+    la, lb = torch.log_softmax(torch.randn(6, 50, generator=g) * 2, -1), torch.log_softmax(torch.randn(6, 50, generator=g), -1)
+    actual = torch.randint(0, 50, (6,), generator=g)
+    exact_kl = (la.exp() * (la - lb)).sum(-1)
+    for k in (50, 10):
+        vals, ids = la.topk(k, -1)
+        base = BaselineWindow(la.gather(1, actual[:, None])[:, 0], ids, vals)
+        m = token_metrics(base, lb.gather(1, actual[:, None])[:, 0], lb.argmax(-1), lb.gather(1, ids))
+        if k == 50:
+            assert torch.allclose(m["kl"], exact_kl.float(), atol=1e-5)
+            assert torch.allclose(m["accept"], torch.minimum(la.exp(), lb.exp()).sum(-1).float(), atol=1e-5)
+        else:
+            assert (m["kl"] <= exact_kl.float() + 1e-6).all() and (m["kl"] > 0).all()
+        assert torch.equal(m["top1"], (la.argmax(-1) == lb.argmax(-1)).float())
+        assert torch.allclose(m["delta_nll"], (la - lb).gather(1, actual[:, None])[:, 0].float())
+
+
+@pytest.mark.parametrize("case", ["tokenizer", "window", "empty", "threshold", "bucket"])
+def test_bad_input_exits_2(capsys, models, docs, tmp_path, case):
+    args = []
+    if case == "tokenizer":
+        other = tmp_path / "other"
+        make_hf_checkpoint("llama", other, seed=2)
+        from tests.test_windows import tiny_hf_tokenizer
+        tiny_hf_tokenizer().save_pretrained(str(other))
+        b, message = other, "different tokenizers"
+    elif case == "window":
+        b, message, args = models["a"], "exceeds the models' context of 512 tokens", ["--window", "1024"]
+    elif case == "empty":
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        (empty / "x.bin").write_bytes(b"\x00\x01" * 100)
+        b, message, docs = models["a"], "no usable", empty
+    elif case == "threshold":
+        b, message, args = models["a"], "--max-kl 'lots'", ["--max-kl", "lots"]
+    else:
+        b, message, args = models["a"], "names bucket '8K-16K'", ["--max-kl", "8K-16K=0.1"]
+    out = tmp_path / "cmp.json"
+    code = main(["compare", str(models["a"]), str(b), "--data", str(docs), "--window", "128", "--threads", "1",
+                 "--no-probes", "--dtype", "fp32", "--json", str(out), *args])
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert code == 2 and message in err, err
+    assert not out.exists()

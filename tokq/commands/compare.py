@@ -1,0 +1,171 @@
+"""`tokq compare A B --data DIR`: is B worse than A on these documents, where, and how sure are we."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tokq.errors import EXIT_CHECK_FAILED
+
+console = Console(stderr=True)
+BASE_NAMES = ("fp16", "bf16", "base")
+
+
+def resolve_variant(name: str, other: str | None = None) -> Path:
+    """A variant name, zoo name or path; `fp16` / `bf16` / `base` (when tokq.toml does not define them) name
+    the 16-bit model the other side was quantized from (its tokq_quantization.json records it)."""
+    from tokq.errors import ConfigError
+    from tokq.project import find_variant
+    from tokq.zoo import resolve_model
+
+    if name in BASE_NAMES and find_variant(name) is None:
+        if other is None:
+            raise ConfigError(f"{name!r} names the 16-bit base of the other model, but both sides are {name!r}")
+        record = resolve_model(other) / "tokq_quantization.json"
+        source = json.loads(record.read_text()).get("source_checkpoint") if record.is_file() else None
+        if not source:
+            raise ConfigError(f"{name!r} names the 16-bit base of {other}, which records none (no tokq_quantization.json "
+                              "with source_checkpoint): name the base model's directory or zoo name instead")
+        return resolve_model(source)
+    return resolve_model(name)
+
+
+def _thresholds(values: dict[str, list[str]]) -> dict[str, dict[str | None, float]]:
+    """--max-kl 0.05 --max-kl 4K-8K=0.1 -> {"max_kl": {None: 0.05, "4K-8K": 0.1}}."""
+    from tokq.errors import ConfigError
+
+    out: dict[str, dict[str | None, float]] = {}
+    for name, items in values.items():
+        for item in items or []:
+            bucket, _, value = item.rpartition("=")
+            try:
+                number = float(value)
+            except ValueError:
+                raise ConfigError(f"--{name.replace('_', '-')} {item!r}: give a number, or BUCKET=number "
+                                  "(e.g. 4K-8K=0.1)") from None
+            out.setdefault(name, {})[bucket or None] = number
+    return out
+
+
+def compare_cmd(
+    a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, or fp16 "
+                                      "(the base B was quantized from)."),
+    b: str = typer.Argument(..., help="Candidate: a tokq.toml variant, zoo name or checkpoint directory."),
+    data: Path = typer.Option(None, "--data", help="Folder of documents (default: the default long-document set)."),
+    window: int = typer.Option(2048, "--window", help="Tokens per window (BOS included where the model uses one)."),
+    stride: int = typer.Option(None, "--stride", help="Document tokens between window starts (default: no overlap)."),
+    max_tokens: int = typer.Option(None, "--max-tokens", help="Stop after this many window tokens in total."),
+    topk: int = typer.Option(64, "--topk", help="A's top-k kept per position (KL over it + the remaining mass)."),
+    decode_windows: int = typer.Option(2, "--decode-windows", help="Windows also scored through the decode path."),
+    decode_tokens: int = typer.Option(128, "--decode-tokens", help="Positions per decode window run one token at a time."),
+    probes: bool = typer.Option(True, "--probes/--no-probes", help="Passkey retrieval probes on the documents."),
+    probe_max_context: int = typer.Option(None, "--probe-max-context",
+                                          help="Longest probe context (default: the window)."),
+    max_kl: list[str] = typer.Option(None, "--max-kl", help="Fail above this mean KL (or BUCKET=value)."),
+    min_top1: list[str] = typer.Option(None, "--min-top1", help="Fail below this top-1 agreement (or BUCKET=value)."),
+    max_ppl_ratio: list[str] = typer.Option(None, "--max-ppl-ratio", help="Fail above this perplexity ratio B/A."),
+    max_flip_rate: list[str] = typer.Option(None, "--max-flip-rate", help="Fail above this probe flip rate (A right, B wrong)."),
+    resamples: int = typer.Option(1000, "--resamples", help="Bootstrap resamples for the 95% CIs."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Score A again instead of reading its cached scores."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for both models: auto, fp16, bf16, fp32, fp8."),
+    kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget per model (e.g. 2GiB)."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
+    json_path: Path = typer.Option(None, "--json", help="Write every number as JSON to this path."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap, the probes and the decode sample."),
+) -> None:
+    """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression."""
+    from tokq.engine.checkpoint import load_model
+    from tokq.engine.config import read_config
+    from tokq.engine.kv_cache import parse_bytes
+    from tokq.engine.llm_engine import EngineConfig, LLMEngine
+    from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.errors import ConfigError, DataError
+    from tokq.evalsuite.compare import CompareSettings, ModelRun, run_compare, token_window_docs
+    from tokq.longctx.documents import load_documents
+    from tokq.longctx.windows import as_text_encoder, build_windows, tokenize_documents
+    from tokq.paths import data_dir
+    from tokq.reports.json_io import write_json
+    from tokq.reports.markdown import compare_markdown
+    from tokq.runtime import setup_runtime
+
+    runtime = setup_runtime(threads, device, seed)
+    thresholds = _thresholds({"max_kl": max_kl, "min_top1": min_top1, "max_ppl_ratio": max_ppl_ratio,
+                              "max_flip_rate": max_flip_rate})
+    for flag, value in (("--topk", topk), ("--resamples", resamples), ("--window", window)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+    ckpt_b = resolve_variant(b, a)
+    ckpt_a = resolve_variant(a, b)
+    config_a, config_b = read_config(ckpt_a), read_config(ckpt_b)
+    context = min(config_a.max_position_embeddings, config_b.max_position_embeddings)
+    if window > context:
+        raise DataError(f"--window {window} exceeds the models' context of {context} tokens: use --window {context} "
+                        "or less")
+    tok_a, tok_b = load_tokenizer(ckpt_a), load_tokenizer(ckpt_b)
+    if config_a.vocab_size != config_b.vocab_size or tok_a.get_vocab() != tok_b.get_vocab():
+        raise ConfigError(f"{a} and {b} use different tokenizers (vocabularies of {len(tok_a.get_vocab())} and "
+                          f"{len(tok_b.get_vocab())} tokens): per-token metrics need the same tokens; compare variants "
+                          "of one model")
+    if topk > config_a.vocab_size:
+        raise ConfigError(f"--topk {topk} exceeds the vocabulary of {config_a.vocab_size}")
+    if data is None:
+        data = data_dir() / "default"
+        if not data.is_dir():
+            raise DataError(f"the default document set {data} is not built yet: run `tokq data build-default` or "
+                            "pass --data DIR")
+    docs = load_documents(data, strict=strict)
+    add_bos = model_adds_bos(tok_a)
+    encoder = as_text_encoder(tok_a, add_bos)
+    encoded = tokenize_documents(docs.documents, encoder)
+    windows = build_windows(docs.documents, encoder, window, stride, add_bos, max_tokens, encoded=encoded)
+    if not windows.windows:
+        raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
+    capacity = window - int(add_bos)
+    used = {w.doc_id for w in windows.windows}
+    shorter = sum(1 for d in used if len(encoded[d]) <= capacity)
+    console.print(f"{len(windows.windows)} windows from {len(used)} documents ({shorter} shorter than a window, used "
+                  f"whole; {len(used) - shorter} longer, windowed by {windows.stride}); "
+                  f"{len(windows.dropped_documents)} too short to score", highlight=False)
+    compute = dtype if dtype != "auto" else ("fp16" if runtime.device.startswith("cuda") else "bf16")
+    budget = parse_bytes(kv_memory) if kv_memory else None
+    probe_ctx = min(probe_max_context or window, context)
+    engine_len = max(window, probe_ctx + 16)
+
+    def loader(checkpoint: Path, tokenizer):
+        def load() -> LLMEngine:
+            model = load_model(checkpoint, dtype=compute, device=runtime.device)
+            return LLMEngine(model, EngineConfig(max_model_len=min(engine_len, context), kv_memory=budget,
+                                                 kv_dtype=kv_dtype, max_num_seqs=4,
+                                                 max_num_batched_tokens=max(2048, window)), tokenizer)
+        return load
+
+    settings = CompareSettings(window=window, stride=windows.stride, max_tokens=max_tokens, topk=topk,
+                               decode_windows=decode_windows, decode_tokens=decode_tokens, probes=probes,
+                               probe_max_context=probe_ctx, resamples=resamples, seed=seed, use_cache=not no_cache,
+                               dtype=compute, kv_dtype=kv_dtype, kv_memory=budget, thresholds=thresholds)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        def track(label: str, total: int):
+            task = progress.add_task(label, total=total)
+            return lambda n: progress.advance(task, n)
+
+        result = run_compare(ModelRun(a, ckpt_a, loader(ckpt_a, tok_a), tok_a),
+                             ModelRun(b, ckpt_b, loader(ckpt_b, tok_b), tok_b),
+                             windows, token_window_docs(windows), settings,
+                             probe_documents=[d for d in docs.documents if d.doc_id in used][:50], progress=track)
+    result["data"] = {"path": str(data), "documents": len(docs.documents), "skipped": len(docs.skipped),
+                      "shorter_than_window": shorter, "windowed": len(used) - shorter}
+    result["runtime"] = runtime.to_json()
+    print(compare_markdown(result), end="")
+    if json_path:
+        write_json(json_path, result)
+    if not result["passed"]:
+        raise typer.Exit(EXIT_CHECK_FAILED)
