@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tests.test_models_vs_hf import make_hf_checkpoint
+from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
 from tokq.evalsuite.ab import BaselineWindow, token_metrics
 
