@@ -182,18 +182,18 @@ def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefi
 
 def _probes(engine, tokenizer, documents, s: CompareSettings) -> list[dict] | None:
     from tokq.engine.tokenizer import model_adds_bos
-    from tokq.longctx.probes import build_probes, default_contexts, run_probes
+    from tokq.longctx.probes import DEFAULT_MAX_NEW_TOKENS, build_probes, default_contexts, run_probes
 
     if not documents:
         return None
-    max_context = min(s.probe_max_context or s.window, engine.max_model_len)
+    max_context = min(s.probe_max_context or s.window, engine.max_model_len - DEFAULT_MAX_NEW_TOKENS)
     contexts = default_contexts(max_context)
     if not contexts:
         return None
     probes = build_probes(documents, tokenizer, contexts, s.probe_depths, seed=s.seed,
                           add_bos=model_adds_bos(tokenizer))
     return [{"context": r.context, "depth": r.depth, "correct": bool(r.correct), "answer": r.answer,
-             "output": r.output_text} for r in run_probes(engine, probes)]
+             "output": r.output_text} for r in run_probes(engine, probes, tokenizer=tokenizer)]
 
 
 def _probe_comparison(a: list[dict] | None, b: list[dict] | None) -> dict | None:

@@ -59,6 +59,8 @@ def compare_cmd(
     window: int = typer.Option(2048, "--window", help="Tokens per window (BOS included where the model uses one)."),
     stride: int = typer.Option(None, "--stride", help="Document tokens between window starts (default: no overlap)."),
     max_tokens: int = typer.Option(None, "--max-tokens", help="Stop after this many window tokens in total."),
+    sample_windows: int = typer.Option(None, "--sample-windows",
+                                       help="Score only this many windows, spread evenly over all documents."),
     topk: int = typer.Option(64, "--topk", help="A's top-k kept per position (KL over it + the remaining mass)."),
     decode_windows: int = typer.Option(2, "--decode-windows", help="Windows also scored through the decode path."),
     decode_tokens: int = typer.Option(128, "--decode-tokens", help="Positions per decode window run one token at a time."),
@@ -125,6 +127,10 @@ def compare_cmd(
     encoder = as_text_encoder(tok_a, add_bos)
     encoded = tokenize_documents(docs.documents, encoder)
     windows = build_windows(docs.documents, encoder, window, stride, add_bos, max_tokens, encoded=encoded)
+    if sample_windows is not None:
+        if sample_windows < 1:
+            raise ConfigError(f"--sample-windows {sample_windows}: must be >= 1")
+        windows = windows.sample(sample_windows)
     if not windows.windows:
         raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
     capacity = window - int(add_bos)
