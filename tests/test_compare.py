@@ -133,3 +133,19 @@ def test_bad_input_exits_2(capsys, models, docs, tmp_path, case):
     err = capsys.readouterr().err.replace("\n", " ")
     assert code == 2 and message in err, err
     assert not out.exists()
+
+
+def test_probes_and_a_kv_cache_difference(capsys, models, docs, tmp_path):
+    """The model against itself on an fp8 KV cache: the difference shows (above the fp32 noise floor), and the
+    retrieval probes of both run on the same prompts."""
+    out = tmp_path / "cmp.json"
+    code = main(["compare", str(models["a"]), str(models["a"]), "--data", str(docs), "--window", "128", "--threads",
+                 "1", "--dtype", "fp32", "--b-kv-dtype", "fp8", "--decode-tokens", "16", "--resamples", "100",
+                 "--probe-max-context", "120", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["kv_dtype"] == {"a": "auto", "b": "fp8"}
+    assert result["decode"]["overall"]["kl"]["value"] > 100 * max(result["noise_floor"]["kl_mean"], 1e-9)
+    probes = result["probes"]
+    assert probes["n"] == 5 and probes["a_right_b_wrong"] + probes["a_wrong_b_right"] <= probes["n"]
+    assert set(probes["a_grid"]) == set(probes["b_grid"]) and 0 <= probes["mcnemar_p"] <= 1

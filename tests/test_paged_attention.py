@@ -535,3 +535,16 @@ def test_prepared_attention_writes_and_reads_one_cache(forced, kv_dtype):
     ref = paged_attention_reference(q, *ref_caches, layout.meta, 32 ** -0.5, 24, layout.k_scale, layout.v_scale)
     err = rel_err(out, ref)
     assert err < TOL[torch.float32], f"{kernel.name} ({kernel.reason}) vs reference: relative error {err:.2e}"
+
+
+def test_cpu_write_kv_fp8_cache():
+    """fp8 caches on CPU (index_copy_ has no fp8 kernel: the writer copies the bytes) equal the reference writer."""
+    g = torch.Generator().manual_seed(8)
+    slots = torch.tensor([5, -1, 0, 31, 17])
+    k, v = torch.randn(5, 2, 64, generator=g) * 30, torch.randn(5, 2, 64, generator=g)
+    k_scale, v_scale = kv_scales(k, torch.float8_e4m3fn), kv_scales(v, torch.float8_e4m3fn)
+    ref = [torch.zeros(2, 16, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    out = [t.clone() for t in ref]
+    write_kv_reference(k, v, *ref, slots, k_scale, v_scale)
+    write_kv_cpu(k, v, *out, slots, k_scale, v_scale)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out, ref, strict=True))

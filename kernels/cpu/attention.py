@@ -61,6 +61,15 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:])
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 (index_copy_/index_select have no fp8 kernels on CPU); others unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _from_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype) if t.dtype != dtype else t
+
+
 def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
@@ -70,8 +79,8 @@ def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    _flat(k_cache).index_copy_(0, slot_mapping, quantize_kv(k, k_scale, k_cache.dtype))
-    _flat(v_cache).index_copy_(0, slot_mapping, quantize_kv(v, v_scale, v_cache.dtype))
+    _bytes(_flat(k_cache)).index_copy_(0, slot_mapping, _bytes(quantize_kv(k, k_scale, k_cache.dtype)))
+    _bytes(_flat(v_cache)).index_copy_(0, slot_mapping, _bytes(quantize_kv(v, v_scale, v_cache.dtype)))
 
 
 def _token_slots(table: torch.Tensor, start: int, stop: int, block_size: int) -> torch.Tensor:
@@ -83,7 +92,8 @@ def _token_slots(table: torch.Tensor, start: int, stop: int, block_size: int) ->
 def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None,
             dtype: torch.dtype) -> torch.Tensor:
     """Cache rows at `slots` [..., n] -> [..., n, Hkv, D] in `dtype` (int8/fp8 dequantized in fp32 first)."""
-    rows = _flat(cache).index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[2:])
+    rows = _from_bytes(_bytes(_flat(cache)).index_select(0, slots.flatten()), cache.dtype)
+    rows = rows.view(*slots.shape, *cache.shape[2:])
     if scale is not None:
         return dequantize_kv(rows, scale).to(dtype)
     return rows.to(dtype)
@@ -218,7 +228,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tensor | None,
                    dtype: torch.dtype) -> torch.Tensor:
     """n sequences' blocks (flattened [n * w]) -> [n, w * block_size, Hkv, D] in `dtype` (int8/fp8 dequantized)."""
-    rows = cache.index_select(0, blocks).view(n, -1, *cache.shape[2:])
+    rows = _from_bytes(_bytes(cache).index_select(0, blocks), cache.dtype).view(n, -1, *cache.shape[2:])
     if scale is not None:
         return dequantize_kv(rows, scale).to(dtype)
     return rows.to(dtype)

@@ -75,6 +75,8 @@ def compare_cmd(
     no_cache: bool = typer.Option(False, "--no-cache", help="Score A again instead of reading its cached scores."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for both models: auto, fp16, bf16, fp32, fp8."),
+    b_kv_dtype: str = typer.Option(None, "--b-kv-dtype", help="B's KV cache dtype when it differs from A's (e.g. "
+                                                              "fp8: compare a model with itself on an fp8 cache)."),
     kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget per model (e.g. 2GiB)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
     json_path: Path = typer.Option(None, "--json", help="Write every number as JSON to this path."),
@@ -144,11 +146,11 @@ def compare_cmd(
     probe_ctx = min(probe_max_context or window, context)
     engine_len = max(window, probe_ctx + 16)
 
-    def loader(checkpoint: Path, tokenizer):
+    def loader(checkpoint: Path, tokenizer, cache_dtype: str):
         def load() -> LLMEngine:
             model = load_model(checkpoint, dtype=compute, device=runtime.device)
             return LLMEngine(model, EngineConfig(max_model_len=min(engine_len, context), kv_memory=budget,
-                                                 kv_dtype=kv_dtype, max_num_seqs=4,
+                                                 kv_dtype=cache_dtype, max_num_seqs=4,
                                                  max_num_batched_tokens=max(2048, window)), tokenizer)
         return load
 
@@ -163,13 +165,14 @@ def compare_cmd(
             task = progress.add_task(label, total=total)
             return lambda n: progress.advance(task, n)
 
-        result = run_compare(ModelRun(a, ckpt_a, loader(ckpt_a, tok_a), tok_a),
-                             ModelRun(b, ckpt_b, loader(ckpt_b, tok_b), tok_b),
+        result = run_compare(ModelRun(a, ckpt_a, loader(ckpt_a, tok_a, kv_dtype), tok_a),
+                             ModelRun(b, ckpt_b, loader(ckpt_b, tok_b, b_kv_dtype or kv_dtype), tok_b),
                              windows, token_window_docs(windows), settings,
                              probe_documents=[d for d in docs.documents if d.doc_id in used][:50], progress=track)
     result["data"] = {"path": str(data), "documents": len(docs.documents), "skipped": len(docs.skipped),
                       "shorter_than_window": shorter, "windowed": len(used) - shorter}
     result["runtime"] = runtime.to_json()
+    result["kv_dtype"] = {"a": kv_dtype, "b": b_kv_dtype or kv_dtype}
     print(compare_markdown(result), end="")
     if json_path:
         write_json(json_path, result)
