@@ -73,3 +73,24 @@ def test_bench_cli(tmp_path):
     for row in report["rows"]:
         assert row["metrics"]["output_tokens"] == 3 * 8 and row["metrics"]["tpot_mean_s"] > 0
         assert row["kernels"]["attention"] == ["cpu_paged_sdpa"] and 0 < row["roofline_fraction"] < 1.5
+
+
+def test_compare_cli_on_smollm2(tmp_path):
+    """tokq compare: SmolLM2 against itself (the floor: KL 0, top-1 100% on the prefill path) on a real document,
+    with a passkey probe grid; then a rerun reads the baseline from the cache."""
+    from tests.integration.test_real_models import real_document
+    from tokq.cli import main
+
+    docs = real_document(tmp_path)
+    out = tmp_path / "cmp.json"
+    args = ["compare", "smollm2-135m", "smollm2-135m", "--data", str(docs), "--window", "512", "--max-tokens", "2048",
+            "--decode-tokens", "16", "--probe-max-context", "512", "--threads", "1", "--max-kl", "1e-6",
+            "--min-top1", "0.999", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["prefill"]["overall"]["kl"]["high"] < 1e-6 and result["prefill"]["overall"]["top1"]["value"] == 1
+    assert result["noise_floor"]["tokens"] >= 32 and result["probes"]["a_accuracy"] >= 0.6
+    assert not result["cache"]["hit"]
+    assert main(args) == 0
+    rerun = json.loads(out.read_text())
+    assert rerun["cache"]["hit"] and rerun["prefill"]["overall"] == result["prefill"]["overall"]
