@@ -3,7 +3,8 @@
 For each scored token (the prediction of token i of a window from tokens[:i]):
 - ΔNLL = NLL_B − NLL_A of the actual token (exact);
 - Δp = p_B(actual) − p_A(actual) (exact);
-- top-1 agreement: A's argmax == B's argmax (exact);
+- top-1 agreement: A's argmax is an argmax of B too (ties count as agreement: 16-bit logits tie often,
+  and which of two equal tokens a top-k returns first is arbitrary);
 - KL(A‖B) over A's top-k tokens plus one bucket for all remaining tokens:
   Σ_top-k p log(p/q) + (1 − P) log((1 − P) / (1 − Q)), P and Q the two models' mass on A's top-k. This
   is the KL of the two distributions coarsened to k + 1 outcomes, a lower bound of the full-vocabulary
@@ -90,7 +91,7 @@ def score_candidate(engine: LLMEngine, windows: Sequence[TokenWindow], baseline:
                                                             "coverage", "position", "doc_index")}
     for window, base, score, doc in zip(windows, baseline, scores, doc_index, strict=True):
         rows = scored_rows(window)
-        metrics = token_metrics(base, score.logprobs[rows], score.topk_ids[rows, 0], score.gathered[rows])
+        metrics = token_metrics(base, score.logprobs[rows], score.topk_logprobs[rows, 0], score.gathered[rows])
         for key, value in metrics.items():
             parts[key].append(value)
         positions = torch.arange(rows.start + 1, rows.stop + 1)
@@ -99,9 +100,11 @@ def score_candidate(engine: LLMEngine, windows: Sequence[TokenWindow], baseline:
     return TokenMetrics(**{k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()})
 
 
-def token_metrics(base: BaselineWindow, logprob_b: torch.Tensor, top1_b: torch.Tensor,
+def token_metrics(base: BaselineWindow, logprob_b: torch.Tensor, max_logprob_b: torch.Tensor,
                   gathered_b: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The module docstring's metrics for one window's rows (float64 where mass sums need it)."""
+    """The module docstring's metrics for one window's rows (float64 where mass sums need it).
+
+    `max_logprob_b`: B's largest log-probability per row; `gathered_b`: B's at A's top-k ids (A's argmax first)."""
     la, lb = base.logprob.double(), logprob_b.double()
     lp, lq = base.topk_logprobs.double(), gathered_b.double()
     p, q = lp.exp(), lq.exp()
@@ -112,5 +115,5 @@ def token_metrics(base: BaselineWindow, logprob_b: torch.Tensor, top1_b: torch.T
     kl_rest = torch.where(rest_p > 0, rest_p * (rest_p.clamp_min(1e-30).log() - rest_q.log()), torch.zeros_like(rest_p))
     kl = (kl_top + kl_rest).clamp_min(0.0)  # tiny negatives are rounding
     accept = torch.minimum(p, q).sum(-1) + torch.minimum(rest_p, 1 - mass_q)
-    return {"kl": kl.float(), "top1": (base.topk_ids[:, 0] == top1_b).float(), "delta_nll": (la - lb).float(),
+    return {"kl": kl.float(), "top1": (gathered_b[:, 0] >= max_logprob_b).float(), "delta_nll": (la - lb).float(),
             "delta_p": (lb.exp() - la.exp()).float(), "accept": accept.clamp(0, 1).float(), "coverage": mass_p.float()}

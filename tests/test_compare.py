@@ -97,7 +97,7 @@ def test_token_metrics_against_full_distributions():
     for k in (50, 10):
         vals, ids = la.topk(k, -1)
         base = BaselineWindow(la.gather(1, actual[:, None])[:, 0], ids, vals)
-        m = token_metrics(base, lb.gather(1, actual[:, None])[:, 0], lb.argmax(-1), lb.gather(1, ids))
+        m = token_metrics(base, lb.gather(1, actual[:, None])[:, 0], lb.max(-1).values, lb.gather(1, ids))
         if k == 50:
             assert torch.allclose(m["kl"], exact_kl.float(), atol=1e-5)
             assert torch.allclose(m["accept"], torch.minimum(la.exp(), lb.exp()).sum(-1).float(), atol=1e-5)
@@ -105,6 +105,10 @@ def test_token_metrics_against_full_distributions():
             assert (m["kl"] <= exact_kl.float() + 1e-6).all() and (m["kl"] > 0).all()
         assert torch.equal(m["top1"], (la.argmax(-1) == lb.argmax(-1)).float())
         assert torch.allclose(m["delta_nll"], (la - lb).gather(1, actual[:, None])[:, 0].float())
+    # ties: B's two best tokens are equal and A's argmax is the second of them -> still agreement
+    tied = torch.tensor([[0.0, 0.0, -5.0]]).log_softmax(-1)
+    base = BaselineWindow(tied[:, 1], torch.tensor([[1, 0, 2]]), tied[:, [1, 0, 2]])
+    assert token_metrics(base, tied[:, 1], tied.max(-1).values, tied[:, [1, 0, 2]])["top1"].item() == 1.0
 
 
 @pytest.mark.parametrize("case", ["tokenizer", "window", "empty", "threshold", "bucket"])

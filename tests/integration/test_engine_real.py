@@ -75,11 +75,14 @@ def test_bench_cli(tmp_path):
         assert row["kernels"]["attention"] == ["cpu_paged_sdpa"] and 0 < row["roofline_fraction"] < 1.5
 
 
-def test_compare_cli_on_smollm2(tmp_path):
+def test_compare_cli_on_smollm2(tmp_path, monkeypatch):
     """tokq compare: SmolLM2 against itself (the floor: KL 0, top-1 100% on the prefill path) on a real document,
     with a passkey probe grid; then a rerun reads the baseline from the cache."""
     from tests.integration.test_real_models import real_document
     from tokq.cli import main
+    from tokq.evalsuite import baseline_cache
+
+    monkeypatch.setattr(baseline_cache, "cache_dir", lambda: tmp_path / "cache")  # models stay in the shared home
 
     docs = real_document(tmp_path)
     out = tmp_path / "cmp.json"
