@@ -153,3 +153,18 @@ def test_probes_and_a_kv_cache_difference(capsys, models, docs, tmp_path):
     probes = result["probes"]
     assert probes["n"] == 5 and probes["a_right_b_wrong"] + probes["a_wrong_b_right"] <= probes["n"]
     assert set(probes["a_grid"]) == set(probes["b_grid"]) and 0 <= probes["mcnemar_p"] <= 1
+
+
+def test_thresholds_default_from_tokq_toml(capsys, models, docs, tmp_path, monkeypatch):
+    config = tmp_path / "tokq.toml"
+    monkeypatch.setenv("TOKQ_CONFIG", str(config))
+    config.write_text('[compare.thresholds]\nmax_kl = { overall = 0.01, "0-511" = 0.02 }\nmin_top1 = 0.5\n')
+    code, result, text = compare(capsys, models["a"], models["other"], docs, tmp_path)
+    assert code == 1, text
+    assert {(t["name"], t["bucket"]) for t in result["thresholds"]} == {("max_kl", None), ("max_kl", "0-511"),
+                                                                      ("min_top1", None)}
+    code, result, _ = compare(capsys, models["a"], models["other"], docs, tmp_path, "--max-kl", "100")
+    assert {(t["name"], t["bucket"]) for t in result["thresholds"]} == {("max_kl", None), ("min_top1", None)}
+    config.write_text('[compare.thresholds]\nmax_kl = "small"\n')
+    code, _, text = compare(capsys, models["a"], models["other"], docs, tmp_path)
+    assert code == 2 and "max_kl = 'small' must be a number" in text

@@ -51,6 +51,30 @@ def _thresholds(values: dict[str, list[str]]) -> dict[str, dict[str | None, floa
     return out
 
 
+def thresholds_from_config() -> dict[str, dict[str | None, float]]:
+    """`[compare.thresholds]` of tokq.toml: max_kl = 0.05, or max_kl = { overall = 0.05, "4K-8K" = 0.1 }."""
+    from tokq.errors import ConfigError
+    from tokq.evalsuite.compare import THRESHOLD_METRICS
+    from tokq.project import find_config, load_config
+
+    path = find_config()
+    if path is None:
+        return {}
+    table = load_config(path).get("compare", {}).get("thresholds", {})
+    out: dict[str, dict[str | None, float]] = {}
+    for name, value in table.items():
+        if name not in THRESHOLD_METRICS:
+            raise ConfigError(f"{path}: [compare.thresholds] has unknown key {name!r}; known: "
+                              f"{', '.join(THRESHOLD_METRICS)}")
+        per = value if isinstance(value, dict) else {"overall": value}
+        for bucket, number in per.items():
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise ConfigError(f"{path}: [compare.thresholds] {name}{'' if bucket == 'overall' else '.' + bucket} = "
+                                  f"{number!r} must be a number")
+            out.setdefault(name, {})[None if bucket == "overall" else bucket] = float(number)
+    return out
+
+
 def compare_cmd(
     a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, or fp16 "
                                       "(the base B was quantized from)."),
@@ -100,8 +124,10 @@ def compare_cmd(
     from tokq.runtime import setup_runtime
 
     runtime = setup_runtime(threads, device, seed)
-    thresholds = _thresholds({"max_kl": max_kl, "min_top1": min_top1, "max_ppl_ratio": max_ppl_ratio,
-                              "max_flip_rate": max_flip_rate})
+    # thresholds given on the command line replace tokq.toml's [compare.thresholds] of the same name
+    thresholds = {**thresholds_from_config(), **_thresholds({"max_kl": max_kl, "min_top1": min_top1,
+                                                             "max_ppl_ratio": max_ppl_ratio,
+                                                             "max_flip_rate": max_flip_rate})}
     for flag, value in (("--topk", topk), ("--resamples", resamples), ("--window", window)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
