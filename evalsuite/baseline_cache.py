@@ -27,6 +27,7 @@ from tokq.paths import atomic_write_text, tokq_home
 
 log = logging.getLogger("tokq")
 _CHUNK = 1 << 20
+FORMAT = 2  # bump when what an entry holds or means changes (2: top-1 agreement counts ties)
 
 
 def cache_dir() -> Path:
@@ -61,7 +62,7 @@ def data_hash(windows: Sequence[TokenWindow]) -> str:
 
 
 def cache_key(**parts) -> str:
-    text = json.dumps({**parts, "tokq_version": __version__}, sort_keys=True)
+    text = json.dumps({**parts, "tokq_version": __version__, "format": FORMAT}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
