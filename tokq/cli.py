@@ -17,6 +17,7 @@ from tokq import __version__
 from tokq.commands.bench import bench_cmd
 from tokq.commands.compare import compare_cmd
 from tokq.commands.data import data_app
+from tokq.commands.init import init_cmd
 from tokq.commands.kernels import kernels_app
 from tokq.commands.kv_calc import kv_calc_cmd
 from tokq.commands.models import models_app
@@ -39,6 +40,7 @@ app.command("quantize")(quantize_cmd)
 app.command("kv-calc")(kv_calc_cmd)
 app.command("bench")(bench_cmd)
 app.command("compare")(compare_cmd)
+app.command("init")(init_cmd)
 
 
 @app.command("version")

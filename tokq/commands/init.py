@@ -1,0 +1,27 @@
+"""`tokq init`: write a commented starter tokq.toml (base model, variants, data, bench workload, gate rules)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def init_cmd(
+    path: Path = typer.Option(Path("tokq.toml"), "--path", help="Where to write it."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing file."),
+) -> None:
+    """Write a commented starter tokq.toml to edit (it refuses to replace one unless --force)."""
+    from tokq.config import STARTER, load_project
+    from tokq.errors import ConfigError
+    from tokq.paths import atomic_write_text
+
+    if path.exists() and not force:
+        raise ConfigError(f"{path} already exists: edit it, or pass --force to replace it with the starter")
+    atomic_write_text(path, STARTER)
+    project = load_project(path)  # the starter must always parse
+    console.print(f"wrote {path}: base {project.base}, {len(project.variants)} variant(s), "
+                  f"{len(project.quality) + len(project.speed)} gate rule(s); edit it, then run `tokq gate`")

@@ -1,0 +1,266 @@
+"""tokq.toml, read whole and checked: base model, variants, data sets, the bench workload, gate rules.
+
+    [base]
+    model = "smollm2-135m"          # zoo name or checkpoint directory
+    dtype = "auto"
+
+    [variants]
+    int4 = { path = "tokq_out/smollm2-awq-int4", method = "awq", scheme = "w4a16" }
+    w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }   # built by `tokq quantize` when missing
+
+    [data.default]
+    path = "~/.cache/tokq/data/default"
+    window = 2048
+    sample_windows = 16
+
+    [bench]
+    prompt_len = 512
+    gen_len = 256
+    concurrency = 16
+
+    [gate.quality]
+    max_kl = 0.05
+    min_top1 = { overall = 0.9, "4K-8K" = 0.85 }
+
+    [gate.speed]
+    min_tpot_speedup = 1.2
+
+Every key is checked: an unknown key or a value of the wrong type is an error naming the file, the line
+and the fix (`ConfigError`, exit 2). `tokq.project` keeps the [variants] lookup the other commands use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokq.errors import ConfigError
+from tokq.project import load_config
+
+QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max"}
+SPEED_RULES = {"min_tpot_speedup": "min", "min_throughput_speedup": "min", "max_memory_ratio": "max"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str  # e.g. max_kl, min_tpot_speedup
+    direction: str  # "max" or "min"
+    threshold: float
+    bucket: str | None = None  # quality rules: a position bucket, None = overall
+
+
+@dataclass
+class DataSet:
+    name: str
+    path: Path
+    window: int = 2048
+    stride: int | None = None
+    max_tokens: int | None = None
+    sample_windows: int | None = None
+
+
+@dataclass
+class Variant:
+    name: str
+    path: Path | None = None
+    recipe: dict[str, Any] | None = None  # `tokq quantize` options (method, scheme, group_size, ...)
+
+
+@dataclass
+class BenchWorkload:
+    prompt_len: int = 512
+    gen_len: int = 256
+    concurrency: int = 16
+    num_prompts: int | None = None
+    gen_len_range: float = 0.0
+    arrival_rate: float | None = None  # None: all at once
+
+
+@dataclass
+class Project:
+    path: Path
+    base: str
+    dtype: str = "auto"
+    variants: dict[str, Variant] = field(default_factory=dict)
+    data: dict[str, DataSet] = field(default_factory=dict)
+    bench: BenchWorkload = field(default_factory=BenchWorkload)
+    quality: list[Rule] = field(default_factory=list)
+    speed: list[Rule] = field(default_factory=list)
+
+
+class _Checker:
+    """Type checks that name the line of the offending key in the file."""
+
+    def __init__(self, path: Path, text: str):
+        self.path, self.lines = path, text.splitlines()
+
+    def line_of(self, table: str, key: str | None = None) -> int | None:
+        header = re.compile(r"^\s*\[\s*" + re.escape(table) + r"\s*\]\s*(#.*)?$") if table else None
+        inside = table == ""
+        for number, raw in enumerate(self.lines, 1):
+            stripped = raw.strip()
+            if stripped.startswith("["):
+                inside = bool(header and header.match(raw))
+                if inside and key is None:
+                    return number
+                continue
+            if inside and key is not None and re.match(r'^\s*"?' + re.escape(key) + r'"?\s*=', raw):
+                return number
+        return None
+
+    def fail(self, table: str, key: str | None, message: str) -> ConfigError:
+        line = self.line_of(table, key) or (self.line_of(table) if key else None)
+        where = f"{self.path}:{line}" if line else str(self.path)
+        name = f"[{table}] {key}" if key and table else (key or f"[{table}]")
+        return ConfigError(f"{where}: {name} {message}")
+
+    def table(self, parent: dict, table: str, allowed: set[str] | None = None) -> dict:
+        value = parent.get(table.rpartition(".")[2], {})
+        if not isinstance(value, dict):
+            raise self.fail(table.rpartition(".")[0], table.rpartition(".")[2], "must be a table")
+        if allowed is not None:
+            for key in value:
+                if key not in allowed:
+                    raise self.fail(table, key, f"is not a known key; known: {', '.join(sorted(allowed))}")
+        return value
+
+    def number(self, table: str, key: str, value: Any, *, integer: bool = False, minimum: float | None = None,
+               below: float | None = None) -> float:
+        kind = "an integer" if integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise self.fail(table, key, f"= {value!r} must be {kind}")
+        if minimum is not None and value < minimum:
+            raise self.fail(table, key, f"= {value!r} must be >= {minimum}")
+        if below is not None and value >= below:
+            raise self.fail(table, key, f"= {value!r} must be < {below}")
+        return value
+
+    def string(self, table: str, key: str, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.fail(table, key, f"= {value!r} must be a non-empty string")
+        return value
+
+
+def load_project(path: Path) -> Project:
+    """Read and check tokq.toml (see the module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: run `tokq init` for a commented starter")
+    raw = load_config(path)
+    check = _Checker(path, path.read_text(encoding="utf-8"))
+    for key in raw:
+        if key not in ("base", "variants", "data", "bench", "gate", "compare"):
+            raise check.fail("", key, "is not a known table; known: base, variants, data, bench, gate, compare")
+    base_table = check.table(raw, "base", {"model", "dtype"})
+    if "model" not in base_table:
+        raise check.fail("base", None, "needs model = \"<zoo name or checkpoint directory>\"")
+    project = Project(path, check.string("base", "model", base_table["model"]),
+                      check.string("base", "dtype", base_table.get("dtype", "auto")))
+    for name, entry in check.table(raw, "variants").items():
+        project.variants[name] = _variant(check, path, name, entry)
+    for name, entry in check.table(raw, "data").items():
+        if not isinstance(entry, dict):
+            raise check.fail("data", name, "must be a table: [data.NAME] with path = ...")
+        project.data[name] = _data_set(check, path, name, entry)
+    bench = check.table(raw, "bench", {"prompt_len", "gen_len", "concurrency", "num_prompts", "gen_len_range",
+                                       "arrival_rate"})
+    workload = BenchWorkload()
+    for key in ("prompt_len", "gen_len", "concurrency", "num_prompts"):
+        if key in bench:
+            setattr(workload, key, int(check.number("bench", key, bench[key], integer=True, minimum=1)))
+    if "gen_len_range" in bench:
+        workload.gen_len_range = float(check.number("bench", "gen_len_range", bench["gen_len_range"], minimum=0,
+                                                    below=1))
+    if "arrival_rate" in bench:
+        rate = check.number("bench", "arrival_rate", bench["arrival_rate"])
+        if rate <= 0:
+            raise check.fail("bench", "arrival_rate", "must be > 0 requests per second (leave it out: all at once)")
+        workload.arrival_rate = float(rate)
+    project.bench = workload
+    gate = check.table(raw, "gate", {"quality", "speed"})
+    project.quality = _rules(check, gate, "gate.quality", QUALITY_RULES, buckets=True)
+    project.speed = _rules(check, gate, "gate.speed", SPEED_RULES, buckets=False)
+    return project
+
+
+def _variant(check: _Checker, path: Path, name: str, entry: Any) -> Variant:
+    if isinstance(entry, str):
+        entry = {"path": entry}
+    if not isinstance(entry, dict):
+        raise check.fail("variants", name, "must be a path string or a table { path = ..., recipe = {...} }")
+    if "path" not in entry and "recipe" not in entry:
+        raise check.fail("variants", name, "needs a path (a checkpoint) or a recipe (how to build it)")
+    target = None
+    if "path" in entry:
+        target = Path(check.string("variants", name, entry["path"])).expanduser()
+        target = target if target.is_absolute() else path.parent / target
+    recipe = entry.get("recipe")
+    if recipe is not None and (not isinstance(recipe, dict) or "method" not in recipe):
+        raise check.fail("variants", name, "recipe must be a table with at least method = \"awq\" (rtn, awq, gptq, "
+                                           "smoothquant, fp8)")
+    return Variant(name, target, recipe)
+
+
+def _data_set(check: _Checker, path: Path, name: str, entry: dict) -> DataSet:
+    table = f"data.{name}"
+    for key in entry:
+        if key not in ("path", "window", "stride", "max_tokens", "sample_windows"):
+            raise check.fail(table, key, "is not a known key; known: max_tokens, path, sample_windows, stride, window")
+    if "path" not in entry:
+        raise check.fail(table, None, "needs path = \"<folder of documents>\"")
+    folder = Path(check.string(table, "path", entry["path"])).expanduser()
+    data = DataSet(name, folder if folder.is_absolute() else path.parent / folder)
+    for key in ("window", "stride", "max_tokens", "sample_windows"):
+        if key in entry:
+            setattr(data, key, int(check.number(table, key, entry[key], integer=True, minimum=1)))
+    return data
+
+
+def _rules(check: _Checker, gate: dict, table: str, known: dict[str, str], buckets: bool) -> list[Rule]:
+    entries = check.table(gate, table, set(known))
+    rules = []
+    for name, value in entries.items():
+        per = value if isinstance(value, dict) and buckets else {"overall": value}
+        for bucket, threshold in per.items():
+            number = check.number(table, name, threshold)
+            rules.append(Rule(name, known[name], float(number), None if bucket == "overall" else bucket))
+    return rules
+
+
+STARTER = '''# tokq.toml: what `tokq gate` checks before a quantized build may ship.
+# Paths are relative to this file. Every key below is optional except [base] model.
+
+[base]
+model = "smollm2-135m"        # zoo name (`tokq models list`) or a checkpoint directory
+dtype = "auto"                # compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16
+
+[variants]
+# A checkpoint, or a recipe `tokq quantize` can rebuild (method, scheme, group_size, ...):
+int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme = "w4a16", group_size = 64 } }
+# w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }
+
+[data.default]
+path = "~/.cache/tokq/data/default"   # your long documents (txt, md, rst, jsonl, .gz)
+window = 2048                          # tokens per scored window
+sample_windows = 16                    # windows spread evenly over the documents
+
+[bench]
+prompt_len = 512
+gen_len = 256
+concurrency = 16
+# arrival_rate = 4.0          # Poisson arrivals per second (default: all at once)
+
+[gate.quality]
+# A rule fails when the 95% confidence interval's unfavourable bound crosses it.
+max_kl = 0.05                 # mean KL(base || variant), or per bucket: { overall = 0.05, "4K-8K" = 0.1 }
+min_top1 = 0.85               # top-1 agreement with the base
+max_ppl_ratio = 1.10          # perplexity ratio variant / base
+max_flip_rate = 0.20          # passkey probes the base answers and the variant misses
+
+[gate.speed]
+min_tpot_speedup = 1.2        # TPOT(base) / TPOT(variant) on the [bench] workload
+# min_throughput_speedup = 1.0
+# max_memory_ratio = 0.8
+'''
