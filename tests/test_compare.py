@@ -168,3 +168,27 @@ def test_thresholds_default_from_tokq_toml(capsys, models, docs, tmp_path, monke
     config.write_text('[compare.thresholds]\nmax_kl = "small"\n')
     code, _, text = compare(capsys, models["a"], models["other"], docs, tmp_path)
     assert code == 2 and "max_kl = 'small' must be a number" in text
+
+
+def test_report_folder(capsys, models, docs, tmp_path, monkeypatch):
+    """--report-dir writes report.json/.md/.html (plots inline)/junit.xml; `tokq report` re-renders them."""
+    from xml.etree import ElementTree as ET
+
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    folder = tmp_path / "report"
+    code, result, _ = compare(capsys, models["a"], models["other"], docs, tmp_path, "--max-kl", "0.01",
+                              "--min-top1", "0.0", "--report-dir", folder)
+    assert code == 1
+    assert sorted(p.name for p in folder.iterdir()) == ["junit.xml", "report.html", "report.json", "report.md"]
+    page = (folder / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 3 and "REGRESSION" in page
+    suite = ET.parse(folder / "junit.xml").getroot().find("testsuite")
+    cases = suite.findall("testcase")
+    assert suite.get("tests") == "2" and suite.get("failures") == "1"
+    assert [c.find("failure") is not None for c in cases] == [True, False]
+    assert "REGRESSION" in summary.read_text()
+    (folder / "report.html").unlink()
+    assert main(["report", str(folder)]) == 0
+    assert (folder / "report.html").read_text().count("data:image/png") == 3
+    assert main(["report", str(tmp_path / "nowhere")]) == 2

@@ -22,6 +22,7 @@ from tokq.commands.kernels import kernels_app
 from tokq.commands.kv_calc import kv_calc_cmd
 from tokq.commands.models import models_app
 from tokq.commands.quantize import quantize_cmd
+from tokq.commands.report import report_cmd
 from tokq.commands.score import score_cmd
 from tokq.errors import EXIT_BAD_INPUT, TokqError
 
@@ -41,6 +42,7 @@ app.command("kv-calc")(kv_calc_cmd)
 app.command("bench")(bench_cmd)
 app.command("compare")(compare_cmd)
 app.command("init")(init_cmd)
+app.command("report")(report_cmd)
 
 
 @app.command("version")

@@ -104,6 +104,8 @@ def compare_cmd(
     kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget per model (e.g. 2GiB)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
     json_path: Path = typer.Option(None, "--json", help="Write every number as JSON to this path."),
+    report_dir: Path = typer.Option(None, "--report-dir", help="Write report.json, report.md, report.html (plots) and "
+                                                               "junit.xml to this folder."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap, the probes and the decode sample."),
@@ -202,5 +204,9 @@ def compare_cmd(
     print(compare_markdown(result), end="")
     if json_path:
         write_json(json_path, result)
+    if report_dir:
+        from tokq.reports.compare_report import write_report
+
+        console.print(f"report: {write_report(report_dir, result)}")
     if not result["passed"]:
         raise typer.Exit(EXIT_CHECK_FAILED)

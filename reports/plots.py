@@ -1,0 +1,78 @@
+"""Plots for the HTML report, rendered by matplotlib (Agg, no display) to inline PNG data URIs."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")  # reports are rendered headless (CI), never to a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _data_uri(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: str = "prefill") -> str:
+    """One line per variant: the metric per position bucket with its 95% CI as error bars."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, (name, result) in enumerate(results.items()):
+        buckets = result[path]["buckets"]
+        labels = list(buckets)
+        values = [buckets[b][metric]["value"] for b in labels]
+        low = [v - buckets[b][metric]["low"] for v, b in zip(values, labels, strict=True)]
+        high = [buckets[b][metric]["high"] - v for v, b in zip(values, labels, strict=True)]
+        xs = [x + 0.06 * (i - (len(results) - 1) / 2) for x in range(len(labels))]
+        ax.errorbar(xs, values, yerr=[low, high], marker="o", capsize=3, label=name)
+        ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("position in window")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _data_uri(fig)
+
+
+def document_distribution(results: dict[str, dict], metric: str = "kl", label: str = "mean KL per document") -> str:
+    """Per-document means of a metric, one box per variant (documents are the bootstrap's unit)."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    data = [[d[metric] for d in r["prefill"]["documents"] if d.get(metric) is not None] for r in results.values()]
+    ax.boxplot(data, showmeans=True)
+    ax.set_xticks(range(1, len(results) + 1), list(results))
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3, axis="y")
+    return _data_uri(fig)
+
+
+def probe_grid(probes: dict, side: str) -> str:
+    """Passkey accuracy by context (rows) and depth (columns) for one side ('a' or 'b')."""
+    grid = probes[f"{side}_grid"]
+    contexts = sorted(grid, key=int)
+    depths = sorted({d for row in grid.values() for d in row}, key=float)
+    values = [[float(grid[c].get(d, float("nan"))) for d in depths] for c in contexts]
+    fig, ax = plt.subplots(figsize=(4.2, 0.5 + 0.45 * len(contexts)))
+    ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(depths)), [f"{float(d):.0%}" for d in depths])
+    ax.set_yticks(range(len(contexts)), contexts)
+    ax.set_xlabel("needle depth")
+    ax.set_ylabel("context")
+    for r, row in enumerate(values):
+        for c, v in enumerate(row):
+            ax.text(c, r, "✓" if v >= 0.5 else "✗", ha="center", va="center", fontsize=9)
+    return _data_uri(fig)
+
+
+def tbt_distribution(tbts_ms: dict[str, list[float]]) -> str:
+    """Time between tokens (ms), one histogram per variant/mode."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for name, values in tbts_ms.items():
+        if values:
+            ax.hist(values, bins=40, alpha=0.5, label=name)
+    ax.set_xlabel("time between tokens (ms)")
+    ax.set_ylabel("tokens")
+    ax.legend(fontsize=8)
+    return _data_uri(fig)
