@@ -81,6 +81,7 @@ class RunMetrics:
     preemptions: int
     prefix_hit_rate: float
     steps: int
+    tbt_samples_s: list[float] = field(default_factory=list)  # every TBT of the run (for distributions)
 
     @classmethod
     def of(cls, per_request: list[RequestMetrics], wall_s: float, **extra) -> RunMetrics:
@@ -95,6 +96,7 @@ class RunMetrics:
             ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95),
             tpot_mean_s=statistics.fmean(tpots) if tpots else float("nan"),
             tbt_p50_s=percentile(tbts, 50), tbt_p95_s=percentile(tbts, 95), tbt_p99_s=percentile(tbts, 99),
+            tbt_samples_s=tbts,
             output_tokens_per_s=output / wall_s if wall_s else float("nan"),
             total_tokens_per_s=(prompt + output) / wall_s if wall_s else float("nan"),
             **extra,

@@ -75,42 +75,13 @@ def thresholds_from_config() -> dict[str, dict[str | None, float]]:
     return out
 
 
-def compare_cmd(
-    a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, or fp16 "
-                                      "(the base B was quantized from)."),
-    b: str = typer.Argument(..., help="Candidate: a tokq.toml variant, zoo name or checkpoint directory."),
-    data: Path = typer.Option(None, "--data", help="Folder of documents (default: the default long-document set)."),
-    window: int = typer.Option(2048, "--window", help="Tokens per window (BOS included where the model uses one)."),
-    stride: int = typer.Option(None, "--stride", help="Document tokens between window starts (default: no overlap)."),
-    max_tokens: int = typer.Option(None, "--max-tokens", help="Stop after this many window tokens in total."),
-    sample_windows: int = typer.Option(None, "--sample-windows",
-                                       help="Score only this many windows, spread evenly over all documents."),
-    topk: int = typer.Option(64, "--topk", help="A's top-k kept per position (KL over it + the remaining mass)."),
-    decode_windows: int = typer.Option(2, "--decode-windows", help="Windows also scored through the decode path."),
-    decode_tokens: int = typer.Option(128, "--decode-tokens", help="Positions per decode window run one token at a time."),
-    probes: bool = typer.Option(True, "--probes/--no-probes", help="Passkey retrieval probes on the documents."),
-    probe_max_context: int = typer.Option(None, "--probe-max-context",
-                                          help="Longest probe context (default: the window)."),
-    max_kl: list[str] = typer.Option(None, "--max-kl", help="Fail above this mean KL (or BUCKET=value)."),
-    min_top1: list[str] = typer.Option(None, "--min-top1", help="Fail below this top-1 agreement (or BUCKET=value)."),
-    max_ppl_ratio: list[str] = typer.Option(None, "--max-ppl-ratio", help="Fail above this perplexity ratio B/A."),
-    max_flip_rate: list[str] = typer.Option(None, "--max-flip-rate", help="Fail above this probe flip rate (A right, B wrong)."),
-    resamples: int = typer.Option(1000, "--resamples", help="Bootstrap resamples for the 95% CIs."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Score A again instead of reading its cached scores."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for both models: auto, fp16, bf16, fp32, fp8."),
-    b_kv_dtype: str = typer.Option(None, "--b-kv-dtype", help="B's KV cache dtype when it differs from A's (e.g. "
-                                                              "fp8: compare a model with itself on an fp8 cache)."),
-    kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget per model (e.g. 2GiB)."),
-    strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
-    json_path: Path = typer.Option(None, "--json", help="Write every number as JSON to this path."),
-    report_dir: Path = typer.Option(None, "--report-dir", help="Write report.json, report.md, report.html (plots) and "
-                                                               "junit.xml to this folder."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap, the probes and the decode sample."),
-) -> None:
-    """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression."""
+def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: int = 2048, stride: int | None = None,
+                 max_tokens: int | None = None, sample_windows: int | None = None, topk: int = 64,
+                 decode_windows: int = 2, decode_tokens: int = 128, probes: bool = True,
+                 probe_max_context: int | None = None, thresholds: dict | None = None, resamples: int = 1000,
+                 use_cache: bool = True, dtype: str = "auto", kv_dtype: str = "auto", b_kv_dtype: str | None = None,
+                 kv_memory: str | None = None, strict: bool = False, seed: int = 0) -> dict:
+    """Everything `tokq compare` does after parsing its options (the gate calls it too): the result JSON."""
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
     from tokq.engine.kv_cache import parse_bytes
@@ -121,15 +92,7 @@ def compare_cmd(
     from tokq.longctx.documents import load_documents
     from tokq.longctx.windows import as_text_encoder, build_windows, tokenize_documents
     from tokq.paths import data_dir
-    from tokq.reports.json_io import write_json
-    from tokq.reports.markdown import compare_markdown
-    from tokq.runtime import setup_runtime
 
-    runtime = setup_runtime(threads, device, seed)
-    # thresholds given on the command line replace tokq.toml's [compare.thresholds] of the same name
-    thresholds = {**thresholds_from_config(), **_thresholds({"max_kl": max_kl, "min_top1": min_top1,
-                                                             "max_ppl_ratio": max_ppl_ratio,
-                                                             "max_flip_rate": max_flip_rate})}
     for flag, value in (("--topk", topk), ("--resamples", resamples), ("--window", window)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
@@ -184,8 +147,8 @@ def compare_cmd(
 
     settings = CompareSettings(window=window, stride=windows.stride, max_tokens=max_tokens, topk=topk,
                                decode_windows=decode_windows, decode_tokens=decode_tokens, probes=probes,
-                               probe_max_context=probe_ctx, resamples=resamples, seed=seed, use_cache=not no_cache,
-                               dtype=compute, kv_dtype=kv_dtype, kv_memory=budget, thresholds=thresholds)
+                               probe_max_context=probe_ctx, resamples=resamples, seed=seed, use_cache=use_cache,
+                               dtype=compute, kv_dtype=kv_dtype, kv_memory=budget, thresholds=thresholds or {})
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
@@ -201,6 +164,63 @@ def compare_cmd(
                       "shorter_than_window": shorter, "windowed": len(used) - shorter}
     result["runtime"] = runtime.to_json()
     result["kv_dtype"] = {"a": kv_dtype, "b": b_kv_dtype or kv_dtype}
+    result["data"] = {"path": str(data), "documents": len(docs.documents), "skipped": len(docs.skipped),
+                      "shorter_than_window": shorter, "windowed": len(used) - shorter}
+    result["runtime"] = runtime.to_json()
+    result["kv_dtype"] = {"a": kv_dtype, "b": b_kv_dtype or kv_dtype}
+    return result
+
+
+def compare_cmd(
+    a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, or fp16 "
+                                      "(the base B was quantized from)."),
+    b: str = typer.Argument(..., help="Candidate: a tokq.toml variant, zoo name or checkpoint directory."),
+    data: Path = typer.Option(None, "--data", help="Folder of documents (default: the default long-document set)."),
+    window: int = typer.Option(2048, "--window", help="Tokens per window (BOS included where the model uses one)."),
+    stride: int = typer.Option(None, "--stride", help="Document tokens between window starts (default: no overlap)."),
+    max_tokens: int = typer.Option(None, "--max-tokens", help="Stop after this many window tokens in total."),
+    sample_windows: int = typer.Option(None, "--sample-windows",
+                                       help="Score only this many windows, spread evenly over all documents."),
+    topk: int = typer.Option(64, "--topk", help="A's top-k kept per position (KL over it + the remaining mass)."),
+    decode_windows: int = typer.Option(2, "--decode-windows", help="Windows also scored through the decode path."),
+    decode_tokens: int = typer.Option(128, "--decode-tokens", help="Positions per decode window run one token at a time."),
+    probes: bool = typer.Option(True, "--probes/--no-probes", help="Passkey retrieval probes on the documents."),
+    probe_max_context: int = typer.Option(None, "--probe-max-context",
+                                          help="Longest probe context (default: the window)."),
+    max_kl: list[str] = typer.Option(None, "--max-kl", help="Fail above this mean KL (or BUCKET=value)."),
+    min_top1: list[str] = typer.Option(None, "--min-top1", help="Fail below this top-1 agreement (or BUCKET=value)."),
+    max_ppl_ratio: list[str] = typer.Option(None, "--max-ppl-ratio", help="Fail above this perplexity ratio B/A."),
+    max_flip_rate: list[str] = typer.Option(None, "--max-flip-rate", help="Fail above this probe flip rate (A right, B wrong)."),
+    resamples: int = typer.Option(1000, "--resamples", help="Bootstrap resamples for the 95% CIs."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Score A again instead of reading its cached scores."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for both models: auto, fp16, bf16, fp32, fp8."),
+    b_kv_dtype: str = typer.Option(None, "--b-kv-dtype", help="B's KV cache dtype when it differs from A's (e.g. "
+                                                              "fp8: compare a model with itself on an fp8 cache)."),
+    kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget per model (e.g. 2GiB)."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
+    json_path: Path = typer.Option(None, "--json", help="Write every number as JSON to this path."),
+    report_dir: Path = typer.Option(None, "--report-dir", help="Write report.json, report.md, report.html (plots) and "
+                                                               "junit.xml to this folder."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap, the probes and the decode sample."),
+) -> None:
+    """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression."""
+    from tokq.reports.json_io import write_json
+    from tokq.reports.markdown import compare_markdown
+    from tokq.runtime import setup_runtime
+
+    runtime = setup_runtime(threads, device, seed)
+    # thresholds given on the command line replace tokq.toml's [compare.thresholds] of the same name
+    thresholds = {**thresholds_from_config(), **_thresholds({"max_kl": max_kl, "min_top1": min_top1,
+                                                             "max_ppl_ratio": max_ppl_ratio,
+                                                             "max_flip_rate": max_flip_rate})}
+    result = compare_pair(a, b, runtime, data=data, window=window, stride=stride, max_tokens=max_tokens,
+                          sample_windows=sample_windows, topk=topk, decode_windows=decode_windows,
+                          decode_tokens=decode_tokens, probes=probes, probe_max_context=probe_max_context,
+                          thresholds=thresholds, resamples=resamples, use_cache=not no_cache, dtype=dtype,
+                          kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype, kv_memory=kv_memory, strict=strict, seed=seed)
     print(compare_markdown(result), end="")
     if json_path:
         write_json(json_path, result)
