@@ -35,7 +35,7 @@ def write_report(folder: Path, result: dict) -> Path:
 
 
 def render(folder: Path) -> Path:
-    """Re-render report.md / report.html / junit.xml from the folder's report.json."""
+    """Re-render report.md / report.html / junit.xml from the folder's report.json (a compare's or a gate's)."""
     from tokq.errors import DataError
 
     source = Path(folder) / "report.json"
@@ -43,4 +43,8 @@ def render(folder: Path) -> Path:
         result = json.loads(source.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise DataError(f"{source} cannot be read ({exc}): pass a folder written by tokq compare --report-dir") from exc
+    if result.get("command") == "gate":
+        from tokq.reports.gate_report import write_gate_report
+
+        return write_gate_report(folder, result)
     return write_report(folder, result)

@@ -12,11 +12,13 @@ import sys
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from tokq import __version__
 from tokq.commands.bench import bench_cmd
 from tokq.commands.compare import compare_cmd
 from tokq.commands.data import data_app
+from tokq.commands.gate import gate_cmd
 from tokq.commands.init import init_cmd
 from tokq.commands.kernels import kernels_app
 from tokq.commands.kv_calc import kv_calc_cmd
@@ -43,6 +45,7 @@ app.command("bench")(bench_cmd)
 app.command("compare")(compare_cmd)
 app.command("init")(init_cmd)
 app.command("report")(report_cmd)
+app.command("gate")(gate_cmd)
 
 
 @app.command("version")
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                 Console(stderr=True).print("aborted")
             return code
     except TokqError as exc:
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc.message}", soft_wrap=True)
+        # escape: messages name TOML tables like [base], which rich would read as markup and drop
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(exc.message)}", soft_wrap=True)
         return exc.exit_code
     except typer.Exit as exc:
         return exc.exit_code

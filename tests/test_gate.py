@@ -1,0 +1,126 @@
+"""`tokq gate` on tiny checkpoints: a good variant passes, a damaged one fails its quality rule, an impossible speed
+rule fails honestly, a variant is built from its recipe, reruns agree, and bad configs exit 2."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_models_vs_hf import make_hf_checkpoint
+from tests.test_quantize_cli import WORDS, save_word_tokenizer
+from tokq.cli import main
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    for name, seed in (("base", 0), ("damaged", 1)):
+        make_hf_checkpoint("llama", root / name, seed=seed)
+        save_word_tokenizer(root / name)
+    docs = root / "docs"
+    docs.mkdir()
+    rng = random.Random(0)
+    for i, n in enumerate((400, 300, 250)):
+        (docs / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n)) + "\n")
+    (root / "tokq.toml").write_text(f'''[base]
+model = "{root / 'base'}"
+dtype = "fp32"
+
+[variants]
+same = "base"
+damaged = {{ path = "damaged" }}
+rtn = {{ path = "built/rtn", recipe = {{ method = "rtn", group_size = 32 }} }}
+
+[data.docs]
+path = "docs"
+window = 128
+
+[bench]
+prompt_len = 12
+gen_len = 4
+concurrency = 2
+
+[gate.quality]
+max_kl = 0.05
+min_top1 = 0.5
+
+[gate.speed]
+max_memory_ratio = 1.5
+''')
+    return root
+
+
+def absolute(text: str, project: Path) -> str:
+    """The project's tokq.toml with its relative paths made absolute (to copy it elsewhere)."""
+    for rel in ("docs", "base", "damaged", "built/rtn"):
+        text = text.replace(f'"{rel}"', f'"{project / rel}"')
+    return text
+
+
+def gate(project: Path, tmp_path: Path, *args) -> tuple[int, dict | None]:
+    out = tmp_path / "report"
+    code = main(["gate", "--config", str(project / "tokq.toml"), "--out", str(out), "--threads", "1", *args])
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
+    return code, report
+
+
+def test_good_variant_passes_and_damaged_fails(project, tmp_path, capsys):
+    code, report = gate(project, tmp_path, "--variant", "same", "--variant", "damaged")
+    assert code == 1
+    same, damaged = report["variants"]["same"], report["variants"]["damaged"]
+    assert same["passed"] and not damaged["passed"]
+    failed = [r for r in damaged["rules"] if not r["passed"]]
+    assert [r["name"] for r in failed] == ["min_top1"] and failed[0]["kind"] == "quality"  # random models: flat KL
+    assert {r["name"] for r in same["rules"]} == {"max_kl", "min_top1", "max_memory_ratio"}
+    out = tmp_path / "report"
+    assert sorted(p.name for p in out.iterdir()) == ["junit.xml", "report.html", "report.json", "report.md"]
+    assert (out / "report.html").read_text().count("data:image/png") >= 4
+    assert "damaged: min_top1" in (out / "junit.xml").read_text()
+    text = capsys.readouterr().out
+    assert "FAIL" in text and "min_top1" in text
+
+
+def test_recipe_builds_the_variant_and_reruns_agree(project, tmp_path):
+    shutil.rmtree(project / "built", ignore_errors=True)
+    verdicts = []
+    for i in range(2):
+        code, report = gate(project, tmp_path / str(i), "--variant", "rtn", "--no-speed")
+        verdicts.append((code, [(r["name"], r["passed"], r["value"], r["low"], r["high"])
+                                for r in report["variants"]["rtn"]["rules"]]))
+    assert (project / "built" / "rtn" / "config.json").is_file()
+    assert verdicts[0] == verdicts[1]
+
+
+def test_speed_rule_fails_honestly(project, tmp_path):
+    config = (project / "tokq.toml").read_text().replace("max_memory_ratio = 1.5", "min_tpot_speedup = 50.0")
+    path = tmp_path / "tokq.toml"
+    path.write_text(absolute(config, project))
+    out = tmp_path / "report"
+    code = main(["gate", "--config", str(path), "--variant", "same", "--out", str(out), "--threads", "1"])
+    report = json.loads((out / "report.json").read_text())
+    speed = [r for r in report["variants"]["same"]["rules"] if r["kind"] == "speed"]
+    assert code == 1 and speed and not speed[0]["passed"] and "TPOT speedup" in speed[0]["rule"]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.replace("[base]\n", "[base]\nmodle = 1\n"), "tokq.toml:2: [base] modle is not a known key"),
+    (lambda s: s.replace("max_kl = 0.05", 'max_kl = "small"'), "max_kl = 'small' must be a number"),
+    (lambda s: s.replace('path = "docs"', 'path = "nowhere"'), "is not a folder"),
+])
+def test_bad_config_exits_2(project, tmp_path, capsys, edit, message):
+    path = tmp_path / "tokq.toml"
+    path.write_text(absolute(edit((project / "tokq.toml").read_text()), project))
+    out = tmp_path / "report"
+    assert main(["gate", "--config", str(path), "--out", str(out), "--no-speed"]) == 2
+    assert message in capsys.readouterr().err.replace("\n", " ")
+    assert not out.exists()
+
+
+def test_unknown_variant_exits_2(project, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["gate", "--config", str(project / "tokq.toml"), "--variant", "int9", "--out", str(out)]) == 2
+    assert "variant 'int9' is not in [variants]" in capsys.readouterr().err.replace("\n", " ")
