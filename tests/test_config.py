@@ -51,3 +51,18 @@ def test_bad_values_name_the_line(tmp_path, edit, message):
 def test_missing_file_points_to_init(tmp_path):
     with pytest.raises(ConfigError, match="run `tokq init`"):
         load_project(tmp_path / "tokq.toml")
+
+
+def test_ci_examples_run_the_gate():
+    """The CI examples parse as YAML and run `tokq gate`, keep its report and publish its JUnit file."""
+    from pathlib import Path
+
+    yaml = pytest.importorskip("yaml")
+    root = Path(__file__).resolve().parents[1] / "examples" / "ci"
+    github = yaml.safe_load((root / "github-actions.yml").read_text())
+    steps = github["jobs"]["gate"]["steps"]
+    assert any(s.get("run", "").startswith("tokq gate") for s in steps)
+    assert any("junit.xml" in str(s.get("with", {})) for s in steps)
+    gitlab = yaml.safe_load((root / "gitlab-ci.yml").read_text())["tokq-gate"]
+    assert any(line.startswith("tokq gate") for line in gitlab["script"])
+    assert gitlab["artifacts"]["reports"]["junit"] == "tokq_gate/junit.xml"
