@@ -165,15 +165,19 @@ class BlockManager:
                 self.cached[h] = block.block_id
             state.blocks, state.last = i + 1, h
 
+    def _unref(self, block_id: int) -> None:
+        """One holder fewer; a block nobody holds goes back to the pool (its cached content stays until reused)."""
+        if block_id == DROPPED:
+            return
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
     def release(self, seq: Sequence) -> None:
         """Free the sequence's blocks (finished or preempted); cached ones stay reusable until evicted."""
         for block_id in reversed(seq.block_table):  # the tail is evicted before the shared head
-            if block_id == DROPPED:
-                continue
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+            self._unref(block_id)
         seq.block_table = []
         seq.num_computed = 0
         self._hashes.pop(seq.seq_id, None)
@@ -185,13 +189,9 @@ class BlockManager:
         first_visible = seq.num_computed - window + 1
         freed = 0
         for i in range(max(0, first_visible) // self.block_size):  # blocks ending before first_visible
-            block_id = seq.block_table[i]
-            if block_id == DROPPED:
+            if seq.block_table[i] == DROPPED:
                 continue
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
+            self._unref(seq.block_table[i])
             seq.block_table[i] = DROPPED
             freed += 1
         return freed

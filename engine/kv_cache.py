@@ -21,10 +21,13 @@ import torch
 
 from tokq.engine.config import ModelConfig
 from tokq.errors import ConfigError
+from tokq.kernels.paged import kv_dtype_of
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MEMORY_FRACTION = 0.8
-KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# The engine's cache dtypes: kernels/paged.py's names minus int8, which needs calibrated per-head scales
+# the engine does not have yet (fp8 runs with scale 1).
+ENGINE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -41,9 +44,9 @@ def kv_dtype_named(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
     """The cache dtype for --kv-dtype (None or 'auto': the model's compute dtype)."""
     if name in (None, "auto"):
         return model_dtype
-    if name not in KV_DTYPES:
-        raise ConfigError(f"--kv-dtype {name}: choose auto, {', '.join(KV_DTYPES)}")
-    return KV_DTYPES[name]
+    if name not in ENGINE_KV_DTYPES:
+        raise ConfigError(f"--kv-dtype {name}: choose auto, {', '.join(ENGINE_KV_DTYPES)}")
+    return kv_dtype_of(name)
 
 
 @dataclass(frozen=True)

@@ -75,12 +75,6 @@ def decode_sample(windows: list[TokenWindow], count: int, decode_tokens: int) ->
     return [replace(w, score_from=max(w.score_from, decode_from)) for w in chosen], decode_from
 
 
-def _timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - start
-
-
 def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str], settings: CompareSettings,
                 probe_documents=None, progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict:
     """Everything `tokq compare` reports, as a JSON-ready dict (the source of truth)."""
@@ -255,8 +249,3 @@ def _settings_json(s: CompareSettings) -> dict:
 def token_window_docs(windows: WindowSet) -> list[str]:
     """Document ids in the order their first window appears."""
     return list(dict.fromkeys(w.doc_id for w in windows.windows))
-
-
-def describe_lengths(doc_tokens: dict[str, int], capacity: int) -> dict:
-    shorter = [d for d, n in doc_tokens.items() if n <= capacity]
-    return {"shorter_than_window": len(shorter), "windowed": len(doc_tokens) - len(shorter)}
