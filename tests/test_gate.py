@@ -4,8 +4,14 @@ rule fails honestly, a variant is built from its recipe, reruns agree, and bad c
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +49,7 @@ window = 128
 prompt_len = 12
 gen_len = 4
 concurrency = 2
+rounds = 2
 
 [gate.quality]
 max_kl = 0.05
@@ -104,12 +111,19 @@ def test_speed_rule_fails_honestly(project, tmp_path):
     report = json.loads((out / "report.json").read_text())
     speed = [r for r in report["variants"]["same"]["rules"] if r["kind"] == "speed"]
     assert code == 1 and speed and not speed[0]["passed"] and "TPOT speedup" in speed[0]["rule"]
+    assert speed[0]["result"] == "fail" and len(speed[0]["rounds"]) == 2
+    bench = report["variants"]["same"]["bench"]
+    assert len(bench["base"]) == len(bench["variant"]) == 2  # alternated rounds, each kept
 
 
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.replace("[base]\n", "[base]\nmodle = 1\n"), "tokq.toml:2: [base] modle is not a known key"),
     (lambda s: s.replace("max_kl = 0.05", 'max_kl = "small"'), "max_kl = 'small' must be a number"),
-    (lambda s: s.replace('path = "docs"', 'path = "nowhere"'), "is not a folder"),
+    (lambda s: s.replace('path = "docs"', 'path = "nowhere"'), "tokq.toml:11: [data.docs] path = "),
+    (lambda s: re.sub(r'model = ".*"', 'model = "/no/such/model"', s, count=1),
+     "tokq.toml:2: [base] model = '/no/such/model': model directory /no/such/model does not exist"),
+    (lambda s: s.replace('damaged = { path = "damaged" }', 'damaged = { path = "gone" }'),
+     "tokq.toml:7: [variants] damaged points at"),
 ])
 def test_bad_config_exits_2(project, tmp_path, capsys, edit, message):
     path = tmp_path / "tokq.toml"
@@ -124,3 +138,69 @@ def test_unknown_variant_exits_2(project, tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["gate", "--config", str(project / "tokq.toml"), "--variant", "int9", "--out", str(out)]) == 2
     assert "variant 'int9' is not in [variants]" in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_interrupted_report_write_leaves_no_report(project, tmp_path, monkeypatch):
+    # A previous run's complete report is there; this run is interrupted while writing report.html.
+    out = tmp_path / "report"
+    assert gate(project, tmp_path, "--variant", "same", "--no-speed")[0] == 0
+    assert (out / "report.json").is_file()
+    from tokq.reports import gate_report
+
+    def interrupted(report):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gate_report, "gate_html", interrupted)
+    code, report = gate(project, tmp_path, "--variant", "same", "--no-speed")
+    assert code == 130 and report is None
+    assert not out.exists()  # neither the stale verdict nor a half-written folder
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_sigterm_mid_gate_leaves_no_report(project, tmp_path):
+    # What a CI cancel does: SIGTERM while the bench runs (a workload long enough to still be running).
+    config = (project / "tokq.toml").read_text().replace("gen_len = 4", "gen_len = 1500").replace(
+        "prompt_len = 12", "prompt_len = 400").replace("rounds = 2", "rounds = 5")
+    path = tmp_path / "tokq.toml"
+    path.write_text(absolute(config, project))
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.json").write_text("{}")  # a stale report from an earlier run
+    proc = subprocess.Popen([sys.executable, "-m", "tokq", "gate", "--config", str(path), "--variant", "same",
+                             "--out", str(out), "--threads", "1"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "speed on the [bench] workload" in line:
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, "".join(seen)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tokq.toml"]
+
+
+def _row(tpot_s: float) -> dict:
+    return {"metrics": {"tpot_mean_s": tpot_s, "output_tokens_per_s": 1 / tpot_s}, "model_bytes": 100,
+            "kv_cache_bytes": 0}
+
+
+@pytest.mark.parametrize("variant_tpots,result", [
+    ([0.5, 0.5, 0.5], "pass"),    # 2.0x every round
+    ([0.5, 0.9, 0.6], "warn"),    # median 1.67x meets 1.5, one round (1.11x) does not
+    ([0.9, 0.5, 0.95], "fail"),   # median 1.11x misses
+])
+def test_speed_rule_uses_every_round(variant_tpots, result):
+    from tokq.config import Rule
+    from tokq.evalsuite.gate_rules import speed_verdicts
+
+    base = [_row(1.0)] * 3
+    (verdict,) = speed_verdicts([Rule("min_tpot_speedup", "min", 1.5)], base, [_row(t) for t in variant_tpots])
+    ratios = [1 / t for t in variant_tpots]
+    assert verdict["result"] == result and verdict["passed"] == (result != "fail")
+    assert verdict["value"] == pytest.approx(sorted(ratios)[1])
+    assert (verdict["low"], verdict["high"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
+    (memory,) = speed_verdicts([Rule("max_memory_ratio", "max", 0.5)], base, [_row(t) for t in variant_tpots])
+    assert memory["result"] == "fail" and memory["value"] == 1.0

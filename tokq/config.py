@@ -40,6 +40,7 @@ from tokq.errors import ConfigError
 from tokq.project import load_config
 
 QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max"}
+DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context"}
 SPEED_RULES = {"min_tpot_speedup": "min", "min_throughput_speedup": "min", "max_memory_ratio": "max"}
 
 
@@ -59,6 +60,7 @@ class DataSet:
     stride: int | None = None
     max_tokens: int | None = None
     sample_windows: int | None = None
+    probe_max_context: int | None = None  # longest passkey probe context (default: the window)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class BenchWorkload:
     num_prompts: int | None = None
     gen_len_range: float = 0.0
     arrival_rate: float | None = None  # None: all at once
+    rounds: int = 3  # base and variant alternate this many times; speed rules use the per-round ratios
 
 
 @dataclass
@@ -88,6 +91,13 @@ class Project:
     bench: BenchWorkload = field(default_factory=BenchWorkload)
     quality: list[Rule] = field(default_factory=list)
     speed: list[Rule] = field(default_factory=list)
+    checker: _Checker | None = field(default=None, repr=False, compare=False)
+
+    def error(self, table: str, key: str | None, message: str) -> ConfigError:
+        """A ConfigError naming this file and the line of [table] key (for checks made after loading)."""
+        if self.checker is None:
+            return ConfigError(f"{self.path}: [{table}] {key or ''} {message}")
+        return self.checker.fail(table, key, message)
 
 
 class _Checker:
@@ -157,7 +167,7 @@ def load_project(path: Path) -> Project:
     if "model" not in base_table:
         raise check.fail("base", None, "needs model = \"<zoo name or checkpoint directory>\"")
     project = Project(path, check.string("base", "model", base_table["model"]),
-                      check.string("base", "dtype", base_table.get("dtype", "auto")))
+                      check.string("base", "dtype", base_table.get("dtype", "auto")), checker=check)
     for name, entry in check.table(raw, "variants").items():
         project.variants[name] = _variant(check, path, name, entry)
     for name, entry in check.table(raw, "data").items():
@@ -165,9 +175,9 @@ def load_project(path: Path) -> Project:
             raise check.fail("data", name, "must be a table: [data.NAME] with path = ...")
         project.data[name] = _data_set(check, path, name, entry)
     bench = check.table(raw, "bench", {"prompt_len", "gen_len", "concurrency", "num_prompts", "gen_len_range",
-                                       "arrival_rate"})
+                                       "arrival_rate", "rounds"})
     workload = BenchWorkload()
-    for key in ("prompt_len", "gen_len", "concurrency", "num_prompts"):
+    for key in ("prompt_len", "gen_len", "concurrency", "num_prompts", "rounds"):
         if key in bench:
             setattr(workload, key, int(check.number("bench", key, bench[key], integer=True, minimum=1)))
     if "gen_len_range" in bench:
@@ -206,13 +216,13 @@ def _variant(check: _Checker, path: Path, name: str, entry: Any) -> Variant:
 def _data_set(check: _Checker, path: Path, name: str, entry: dict) -> DataSet:
     table = f"data.{name}"
     for key in entry:
-        if key not in ("path", "window", "stride", "max_tokens", "sample_windows"):
-            raise check.fail(table, key, "is not a known key; known: max_tokens, path, sample_windows, stride, window")
+        if key not in DATA_KEYS:
+            raise check.fail(table, key, f"is not a known key; known: {', '.join(sorted(DATA_KEYS))}")
     if "path" not in entry:
         raise check.fail(table, None, "needs path = \"<folder of documents>\"")
     folder = Path(check.string(table, "path", entry["path"])).expanduser()
     data = DataSet(name, folder if folder.is_absolute() else path.parent / folder)
-    for key in ("window", "stride", "max_tokens", "sample_windows"):
+    for key in sorted(DATA_KEYS - {"path"}):
         if key in entry:
             setattr(data, key, int(check.number(table, key, entry[key], integer=True, minimum=1)))
     return data
@@ -251,6 +261,8 @@ prompt_len = 512
 gen_len = 256
 concurrency = 16
 # arrival_rate = 4.0          # Poisson arrivals per second (default: all at once)
+rounds = 3                    # base and variant alternate; a speed rule passes when every round meets it,
+                              # warns when only the median does, fails when the median misses
 
 [gate.quality]
 # A rule fails when the 95% confidence interval's unfavourable bound crosses it.

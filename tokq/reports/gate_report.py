@@ -1,7 +1,8 @@
 """The gate's report folder: report.json (source of truth), report.md (PR comment), report.html (plots), junit.xml.
 
-Written through a temporary sibling folder renamed into place: an interrupted gate leaves no report that
-looks complete. `render_gate(folder)` re-renders from report.json (`tokq report DIR`).
+Each file is rendered and written inside a temporary sibling folder renamed into place only when all four
+are written: an interrupted gate leaves no report that looks complete. `tokq report DIR` re-renders from
+report.json.
 """
 
 from __future__ import annotations
@@ -25,14 +26,29 @@ def _value(r: dict) -> str:
     return text + (f" [{r['low']:.4g}, {r['high']:.4g}]" if r.get("low") is not None else "")
 
 
+def _result(r: dict) -> str:
+    return r.get("result") or ("pass" if r["passed"] else "fail")
+
+
+def _median_round(rows: list[dict]) -> dict:
+    """The round with the median TPOT: the speed table's representative row (every round is in report.json)."""
+    ordered = sorted(rows, key=lambda row: row["metrics"]["tpot_mean_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def gate_markdown(report: dict) -> str:
     verdict = "PASS" if report["passed"] else "FAIL"
     lines = [f"# tokq gate: **{verdict}**", "", f"Base `{report['base']}`, data set `{report['data']}`.", "",
              "| variant | rule | bucket | measured [95% CI] | threshold | result |", "|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
         for r in v["rules"]:
+            shown = {"pass": "pass", "warn": "warn", "fail": "**FAIL**"}[_result(r)]
             lines.append(f"| {name} | {r['name']} | {r.get('bucket') or 'overall'} | {_value(r)} | {r['threshold']} | "
-                         f"{'pass' if r['passed'] else '**FAIL**'} |")
+                         f"{shown} |")
+    notes = [f"- {name}: {_result(r)} — {r['rule']}" for name, v in report["variants"].items() for r in v["rules"]
+             if _result(r) != "pass"]
+    if notes:
+        lines += ["", *notes]
     for name, v in report["variants"].items():
         lines += ["", "<details><summary>" + html.escape(name) + ": quality details</summary>", "",
                   compare_markdown(v["compare"]), "</details>"]
@@ -51,31 +67,19 @@ def gate_html(report: dict) -> str:
              "<th>result</th></tr>"]
     for name, v in variants.items():
         for r in v["rules"]:
-            cls = "pass" if r["passed"] else "fail"
+            result = _result(r)
             parts.append(f"<tr><td>{html.escape(name)}</td><td>{r['name']}</td><td>{r.get('bucket') or 'overall'}</td>"
-                         f"<td>{_value(r)}</td><td>{r['threshold']}</td><td class={cls}>"
-                         f"{'pass' if r['passed'] else 'FAIL'}</td></tr>")
-    parts += ["</table><h2>Quality by position</h2>",
+                         f"<td>{_value(r)}</td><td>{r['threshold']}</td><td class={result}>"
+                         f"{result if result != 'fail' else 'FAIL'}</td></tr>")
+    parts += ["</table>", "<ul>" + "".join(f"<li>{html.escape(name)}: {html.escape(r['rule'])}</li>"
+                                           for name, v in variants.items() for r in v["rules"]) + "</ul>",
+              "<h2>Quality by position</h2>",
               f'<img alt="KL by position bucket" src="{plots.metric_by_bucket(results, "kl", "KL(base‖variant)")}">',
               f'<img alt="top-1 by position bucket" src="{plots.metric_by_bucket(results, "top1", "top-1 agreement")}">',
               "<h2>Per document</h2>", f'<img alt="per-document KL" src="{plots.document_distribution(results)}">']
     benches = {name: v["bench"] for name, v in variants.items() if v.get("bench")}
     if benches:
-        parts.append("<h2>Speed</h2><table><tr><th>variant</th><th>model</th><th>TTFT ms</th><th>TPOT ms</th>"
-                     "<th>TBT p95 ms</th><th>out tok/s</th><th>weights+KV MiB</th><th>kernels</th></tr>")
-        tbts = {}
-        for name, rows in benches.items():
-            for row in rows:
-                m = row["metrics"]
-                label = "base" if row["variant"] == "base" else name
-                tbts[label] = [t * 1e3 for t in m.get("tbt_samples_s", [])]
-                kernels = ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"])
-                parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(label)}</td>"
-                             f"<td>{m['ttft_mean_s'] * 1e3:.1f}</td><td>{m['tpot_mean_s'] * 1e3:.2f}</td>"
-                             f"<td>{m['tbt_p95_s'] * 1e3:.2f}</td><td>{m['output_tokens_per_s']:.1f}</td>"
-                             f"<td>{(row['model_bytes'] + row['kv_cache_bytes']) / 2**20:.0f}</td>"
-                             f"<td>{html.escape(kernels)}</td></tr>")
-        parts += ["</table>", f'<img alt="TBT distribution" src="{plots.tbt_distribution(tbts)}">']
+        parts += _speed_section(benches, variants)
     for name, result in results.items():
         probes = result.get("probes")
         if probes:
@@ -86,15 +90,42 @@ def gate_html(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> list[str]:
+    """The speed table (each side's median-TPOT round), the speedups over rounds and the TBT distributions."""
+    parts = ["<h2>Speed</h2><p>Base and variant alternate on the same workload; the table shows each side's "
+             "median-TPOT round, the plot every round's ratio.</p><table><tr><th>variant</th><th>model</th>"
+             "<th>TTFT ms</th><th>TPOT ms</th><th>TBT p95 ms</th><th>out tok/s</th><th>weights+KV MiB</th>"
+             "<th>roofline</th><th>kernels</th></tr>"]
+    tbts: dict[str, list[float]] = {}
+    for name, bench in benches.items():
+        for side in ("base", "variant"):
+            row = _median_round(bench[side])
+            m = row["metrics"]
+            label = "base" if side == "base" else name
+            tbts.setdefault(label, [t * 1e3 for r in bench[side] for t in r["metrics"].get("tbt_samples_s", [])])
+            kernels = ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"])
+            roof = row.get("roofline_fraction")
+            parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(label)}</td>"
+                         f"<td>{m['ttft_mean_s'] * 1e3:.1f}</td><td>{m['tpot_mean_s'] * 1e3:.2f}</td>"
+                         f"<td>{m['tbt_p95_s'] * 1e3:.2f}</td><td>{m['output_tokens_per_s']:.1f}</td>"
+                         f"<td>{(row['model_bytes'] + row['kv_cache_bytes']) / 2**20:.0f}</td>"
+                         f"<td>{'-' if roof is None else f'{roof:.0%}'}</td><td>{html.escape(kernels)}</td></tr>")
+    speed_rules = {name: [r for r in variants[name]["rules"] if r["kind"] == "speed"] for name in benches}
+    parts += ["</table>", f'<img alt="speed ratios" src="{plots.speed_ratios(speed_rules)}">',
+              f'<img alt="TBT distribution" src="{plots.tbt_distribution(tbts)}">']
+    return parts
+
+
 def write_gate_report(folder: Path, report: dict) -> Path:
     rules = [{**r, "name": f"{name}: {r['name']}"} for name, v in report["variants"].items() for r in v["rules"]]
-    files = {"report.json": json.dumps(report, indent=2, default=str) + "\n", "report.md": gate_markdown(report),
-             "report.html": gate_html(report), "junit.xml": junit_xml("tokq gate", rules)}
+    renderers = {"report.json": lambda: json.dumps(report, indent=2, default=str) + "\n",
+                 "report.md": lambda: gate_markdown(report), "junit.xml": lambda: junit_xml("tokq gate", rules),
+                 "report.html": lambda: gate_html(report)}
     with atomic_directory(Path(folder)) as tmp:
-        for name, text in files.items():
-            (tmp / name).write_text(text, encoding="utf-8")
+        for name, render in renderers.items():
+            (tmp / name).write_text(render(), encoding="utf-8")
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as f:
-            f.write(files["report.md"])
+            f.write((Path(folder) / "report.md").read_text(encoding="utf-8"))
     return Path(folder) / "report.html"

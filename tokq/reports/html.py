@@ -16,7 +16,7 @@ def _ci(est: dict, pct: bool = False) -> str:
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.ci{color:#777;font-size:90%}
-.pass{color:#17692a;font-weight:bold}.fail{color:#b3261e;font-weight:bold}img{max-width:100%}"""
+.pass{color:#17692a;font-weight:bold}.fail{color:#b3261e;font-weight:bold}.warn{color:#8a6100;font-weight:bold}img{max-width:100%}"""
 
 
 def compare_html(result: dict) -> str:

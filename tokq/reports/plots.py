@@ -76,3 +76,20 @@ def tbt_distribution(tbts_ms: dict[str, list[float]]) -> str:
     ax.set_ylabel("tokens")
     ax.legend(fontsize=8)
     return _data_uri(fig)
+
+
+def speed_ratios(rules_by_variant: dict[str, list[dict]]) -> str:
+    """Each speed rule's per-round ratio (dots) and median (bar) per variant, with its threshold."""
+    entries = [(name, r) for name, rules in rules_by_variant.items() for r in rules]
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.5 * max(1, len(entries))))
+    for y, (_, r) in enumerate(entries):
+        color = {"pass": "tab:green", "warn": "tab:olive", "fail": "tab:red"}[r["result"]]
+        ax.barh(y, r["value"], color=color, alpha=0.45)
+        ax.plot(r.get("rounds") or [r["value"]], [y] * len(r.get("rounds") or [1]), "o", color="black", ms=3)
+        ax.plot([r["threshold"]] * 2, [y - 0.4, y + 0.4], color="black", lw=2)
+    ax.set_yticks(range(len(entries)), [f"{name}: {r['metric']}" for name, r in entries])
+    ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("variant vs base (bar: median of rounds, dots: rounds, black tick: threshold)")
+    ax.invert_yaxis()
+    ax.grid(alpha=0.3, axis="x")
+    return _data_uri(fig)
