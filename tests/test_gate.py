@@ -204,3 +204,36 @@ def test_speed_rule_uses_every_round(variant_tpots, result):
     assert (verdict["low"], verdict["high"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
     (memory,) = speed_verdicts([Rule("max_memory_ratio", "max", 0.5)], base, [_row(t) for t in variant_tpots])
     assert memory["result"] == "fail" and memory["value"] == 1.0
+
+
+def _plot_pixels(png: Path) -> int:
+    """Pixels drawn in matplotlib's first two cycle colours (tab:blue, tab:orange): plot marks, never page text."""
+    import matplotlib.image
+    import numpy as np
+
+    rgb = (matplotlib.image.imread(png)[..., :3] * 255).astype(np.int16)
+    colours = np.array([[31, 119, 180], [255, 127, 14]], dtype=np.int16)
+    near = (np.abs(rgb[:, :, None, :] - colours[None, None]).max(axis=-1) <= 12).any(axis=-1)
+    return int(near.sum())
+
+
+def test_report_screenshot_in_chromium_shows_the_plots(project, tmp_path):
+    from tokq.reports.screenshot import find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no Chromium here: scripts/test.sh installs the `chromium` package (apt-get install chromium)")
+    out = tmp_path / "report"
+    assert gate(project, tmp_path, "--variant", "same", "--variant", "damaged")[0] == 1
+    png = tmp_path / "shot.png"
+    assert main(["report", str(out), "--screenshot", str(png)]) == 0
+    drawn = _plot_pixels(png)
+    # The same page with its images broken: what a report whose plots failed to render looks like.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    html_text = (out / "report.html").read_text()
+    (broken / "report.html").write_text(re.sub(r'src="data:image/png;base64,[^"]+"', 'src="data:image/png;base64,AA"',
+                                               html_text))
+    from tokq.reports.screenshot import screenshot
+
+    assert _plot_pixels(screenshot(broken / "report.html", tmp_path / "broken.png")) < 20
+    assert drawn > 300, f"only {drawn} plot pixels in the screenshot"

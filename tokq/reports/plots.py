@@ -30,6 +30,7 @@ def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: st
         xs = [x + 0.06 * (i - (len(results) - 1) / 2) for x in range(len(labels))]
         ax.errorbar(xs, values, yerr=[low, high], marker="o", capsize=3, label=name)
         ax.set_xticks(range(len(labels)), labels)
+        ax.set_xlim(-0.5, len(labels) - 0.5)  # one bucket would otherwise zoom onto the variants' tiny offsets
     ax.set_xlabel("position in window")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
