@@ -128,6 +128,9 @@ def _checkpoint(project, name: str, threads: int | None) -> Path:
         return target
     args = ["quantize", "--model", project.base, "--out", str(target)]
     for key, value in project.variants[name].recipe.items():
+        if key == "calib":  # a folder, relative to tokq.toml like every path in it
+            value = Path(value).expanduser()
+            value = value if value.is_absolute() else project.path.parent / value
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + key.replace("_", "-"))
