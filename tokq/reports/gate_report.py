@@ -84,8 +84,8 @@ def gate_html(report: dict) -> str:
         probes = result.get("probes")
         if probes:
             parts += [f"<h2>Retrieval probes: {html.escape(name)}</h2>",
-                      f'<img alt="probe grid base" src="{plots.probe_grid(probes, "a")}"> '
-                      f'<img alt="probe grid {html.escape(name)}" src="{plots.probe_grid(probes, "b")}">']
+                      f'<img alt="probe grid base" src="{plots.probe_grid(probes, "a", "base")}"> '
+                      f'<img alt="probe grid {html.escape(name)}" src="{plots.probe_grid(probes, "b", name)}">']
     parts.append(f"<p class=ci>tokq {html.escape(report['tokq_version'])}</p></body></html>")
     return "\n".join(parts) + "\n"
 

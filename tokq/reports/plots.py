@@ -49,7 +49,7 @@ def document_distribution(results: dict[str, dict], metric: str = "kl", label: s
     return _data_uri(fig)
 
 
-def probe_grid(probes: dict, side: str) -> str:
+def probe_grid(probes: dict, side: str, title: str | None = None) -> str:
     """Passkey accuracy by context (rows) and depth (columns) for one side ('a' or 'b')."""
     grid = probes[f"{side}_grid"]
     contexts = sorted(grid, key=int)
@@ -61,6 +61,7 @@ def probe_grid(probes: dict, side: str) -> str:
     ax.set_yticks(range(len(contexts)), contexts)
     ax.set_xlabel("needle depth")
     ax.set_ylabel("context")
+    ax.set_title(title or side.upper(), fontsize=10)
     for r, row in enumerate(values):
         for c, v in enumerate(row):
             ax.text(c, r, "✓" if v >= 0.5 else "✗", ha="center", va="center", fontsize=9)
