@@ -83,6 +83,11 @@ def test_good_variant_passes_and_damaged_fails(project, tmp_path, capsys):
     failed = [r for r in damaged["rules"] if not r["passed"]]
     assert [r["name"] for r in failed] == ["min_top1"] and failed[0]["kind"] == "quality"  # random models: flat KL
     assert {r["name"] for r in same["rules"]} == {"max_kl", "min_top1", "max_memory_ratio"}
+    # report.json is the source of truth: what ran, on what, with which inputs.
+    assert report["versions"]["torch"] and report["runtime"]["hardware"] and len(report["config_sha256"]) == 64
+    hashes = {name: (v["compare"]["a"]["sha256"], v["compare"]["b"]["sha256"]) for name, v in report["variants"].items()}
+    assert hashes["same"][0] == hashes["same"][1] == hashes["damaged"][0] != hashes["damaged"][1]
+    assert same["compare"]["data_sha256"] == damaged["compare"]["data_sha256"]
     out = tmp_path / "report"
     assert sorted(p.name for p in out.iterdir()) == ["junit.xml", "report.html", "report.json", "report.md"]
     assert (out / "report.html").read_text().count("data:image/png") >= 4

@@ -21,6 +21,7 @@ class RuntimeInfo:
     python: str
     machine: str
     cpu_count: int | None
+    hardware: str = ""  # the CPU model, and the GPU's name when running on CUDA
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -57,4 +58,17 @@ def setup_runtime(threads: int | None = None, device: str = "auto", seed: int = 
         python=platform.python_version(),
         machine=platform.machine(),
         cpu_count=os.cpu_count(),
+        hardware=_hardware(dev),
     )
+
+
+def _hardware(dev: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)}; host {cpu}"
+    return cpu

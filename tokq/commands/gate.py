@@ -14,6 +14,7 @@ ratio sits at the threshold.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import signal
 from pathlib import Path
@@ -76,8 +77,10 @@ def gate_cmd(
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         checkpoints = {name: _checkpoint(project, name, threads) for name in names}
-        report = {"tokq_version": __version__, "command": "gate", "config": str(path), "base": project.base,
-                  "base_checkpoint": str(base), "data": data.name, "runtime": runtime.to_json(), "variants": {}}
+        report = {"tokq_version": __version__, "command": "gate", "config": str(path),
+                  "config_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "base": project.base,
+                  "base_checkpoint": str(base), "data": data.name, "runtime": runtime.to_json(),
+                  "versions": _versions(), "variants": {}}
         for name in names:
             report["variants"][name] = _gate_variant(project, name, checkpoints[name], base, data, runtime, seed,
                                                      no_speed)
@@ -90,6 +93,18 @@ def gate_cmd(
         signal.signal(signal.SIGTERM, previous)
     if not report["passed"]:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in ("tokq", "torch", "triton", "transformers", "safetensors", "numpy"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def _raise_interrupt(signum, frame) -> None:

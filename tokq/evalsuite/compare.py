@@ -125,8 +125,10 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
     scored_tokens = sum(len(w.tokens) for w in wins) + sum(len(w.tokens) for w in dwins)
 
     result = {
-        "tokq_version": __version__, "a": {"name": a.name, "checkpoint": str(a.checkpoint)},
-        "b": {"name": b.name, "checkpoint": str(b.checkpoint)}, "settings": _settings_json(s),
+        "tokq_version": __version__,
+        "a": {"name": a.name, "checkpoint": str(a.checkpoint), "sha256": key_parts["model"]},
+        "b": {"name": b.name, "checkpoint": str(b.checkpoint), "sha256": baseline_cache.model_hash(b.checkpoint)},
+        "data_sha256": key_parts["data"], "settings": _settings_json(s),
         "windows": {"count": len(wins), "tokens": windows.n_tokens, "scored_tokens": prefill.tokens,
                     "documents": len(doc_ids), "window": s.window, "stride": windows.stride,
                     "dropped_documents": windows.dropped_documents, "dropped_tails": windows.dropped_tails,
