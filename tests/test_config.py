@@ -28,6 +28,10 @@ def test_per_bucket_rules(tmp_path):
     path.write_text('[base]\nmodel = "m"\n[gate.quality]\nmax_kl = { overall = 0.05, "4K-8K" = 0.1 }\n')
     rules = load_project(path).quality
     assert [(r.bucket, r.threshold) for r in rules] == [(None, 0.05), ("4K-8K", 0.1)]
+    assert load_project(path).quality_on == "bound"
+    path.write_text('[base]\nmodel = "m"\n[gate.quality]\nci = "point"\nmax_kl = 0.05\n')
+    project = load_project(path)
+    assert project.quality_on == "point" and [r.name for r in project.quality] == ["max_kl"]
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -38,6 +42,7 @@ def test_per_bucket_rules(tmp_path):
     (lambda s: s.replace("window = 2048", "windw = 2048"), r"\[data.default\] windw is not a known key"),
     (lambda s: s.replace("[bench]\nprompt_len", "[bench]\nspeed = 3\nprompt_len"), r"\[bench\] speed is not a known key"),
     (lambda s: s + "\n[gates]\nx = 1\n", r"gates is not a known table"),
+    (lambda s: s.replace('ci = "bound"', 'ci = "upper"'), r"tokq.toml:\d+: \[gate.quality\] ci = 'upper' must be"),
     (lambda s: s.replace("min_tpot_speedup = 1.2", "min_tpot_speedup = true"), r"must be a number"),
     (lambda s: s.replace('int4 = {', 'int4 = { recipe = "awq" }\nx = {'), r"recipe must be a table"),
 ])

@@ -193,5 +193,17 @@ def test_threshold_uses_unfavourable_bound_not_point():
 
     nan = float("nan")
     assert not check_threshold(Estimate(nan, nan, nan, 0, 0), 0.01, "max", "kl").passed
+
+
+def test_threshold_on_the_point_estimate_when_asked():
+    est = Estimate(value=0.008, low=0.006, high=0.012, n_tokens=1000, n_docs=20)
+    point = check_threshold(est, 0.01, "max", "kl", on="point")  # the bound (0.012) would fail it
+    assert point.passed and point.bound_used == 0.008
+    assert point.rule == "estimate 0.008 <= max 0.01 (95% CI [0.006, 0.012])"
+    assert not check_threshold(est, 0.007, "max", "kl", on="point").passed
+    agree = Estimate(value=0.97, low=0.94, high=0.99, n_tokens=1000, n_docs=20)
+    assert check_threshold(agree, 0.95, "min", "top1", on="point").passed
+    with pytest.raises(ValueError, match="on must be one of"):
+        check_threshold(est, 0.01, "max", "kl", on="upper")
     with pytest.raises(ValueError):
         check_threshold(est, 0.01, "below", "kl")

@@ -78,7 +78,8 @@ def thresholds_from_config() -> dict[str, dict[str | None, float]]:
 def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: int = 2048, stride: int | None = None,
                  max_tokens: int | None = None, sample_windows: int | None = None, topk: int = 64,
                  decode_windows: int = 2, decode_tokens: int = 128, probes: bool = True,
-                 probe_max_context: int | None = None, thresholds: dict | None = None, resamples: int = 1000,
+                 probe_max_context: int | None = None, thresholds: dict | None = None, threshold_on: str = "bound",
+                 resamples: int = 1000,
                  use_cache: bool = True, dtype: str = "auto", kv_dtype: str = "auto", b_kv_dtype: str | None = None,
                  kv_memory: str | None = None, strict: bool = False, seed: int = 0) -> dict:
     """Everything `tokq compare` does after parsing its options (the gate calls it too): the result JSON."""
@@ -96,6 +97,8 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     for flag, value in (("--topk", topk), ("--resamples", resamples), ("--window", window)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
+    if threshold_on not in ("bound", "point"):
+        raise ConfigError(f"--threshold-on {threshold_on!r}: use bound (the CI's unfavourable bound) or point")
     ckpt_b = resolve_variant(b, a)
     ckpt_a = resolve_variant(a, b)
     config_a, config_b = read_config(ckpt_a), read_config(ckpt_b)
@@ -148,7 +151,8 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     settings = CompareSettings(window=window, stride=windows.stride, max_tokens=max_tokens, topk=topk,
                                decode_windows=decode_windows, decode_tokens=decode_tokens, probes=probes,
                                probe_max_context=probe_ctx, resamples=resamples, seed=seed, use_cache=use_cache,
-                               dtype=compute, kv_dtype=kv_dtype, kv_memory=budget, thresholds=thresholds or {})
+                               dtype=compute, kv_dtype=kv_dtype, kv_memory=budget, thresholds=thresholds or {},
+                               threshold_on=threshold_on)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
@@ -191,6 +195,8 @@ def compare_cmd(
     min_top1: list[str] = typer.Option(None, "--min-top1", help="Fail below this top-1 agreement (or BUCKET=value)."),
     max_ppl_ratio: list[str] = typer.Option(None, "--max-ppl-ratio", help="Fail above this perplexity ratio B/A."),
     max_flip_rate: list[str] = typer.Option(None, "--max-flip-rate", help="Fail above this probe flip rate (A right, B wrong)."),
+    threshold_on: str = typer.Option("bound", "--threshold-on", help="bound: a threshold fails when the 95% CI's "
+                                     "unfavourable bound crosses it; point: when the estimate does."),
     resamples: int = typer.Option(1000, "--resamples", help="Bootstrap resamples for the 95% CIs."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Score A again instead of reading its cached scores."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
@@ -219,7 +225,8 @@ def compare_cmd(
     result = compare_pair(a, b, runtime, data=data, window=window, stride=stride, max_tokens=max_tokens,
                           sample_windows=sample_windows, topk=topk, decode_windows=decode_windows,
                           decode_tokens=decode_tokens, probes=probes, probe_max_context=probe_max_context,
-                          thresholds=thresholds, resamples=resamples, use_cache=not no_cache, dtype=dtype,
+                          thresholds=thresholds, threshold_on=threshold_on, resamples=resamples,
+                          use_cache=not no_cache, dtype=dtype,
                           kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype, kv_memory=kv_memory, strict=strict, seed=seed)
     print(compare_markdown(result), end="")
     if json_path:

@@ -168,7 +168,8 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
     quality = compare_pair(str(base), str(checkpoint), runtime, data=data.path, window=data.window,
                            stride=data.stride, max_tokens=data.max_tokens, sample_windows=data.sample_windows,
                            probe_max_context=data.probe_max_context,
-                           thresholds=quality_thresholds(project.quality), dtype=project.dtype, seed=seed)
+                           thresholds=quality_thresholds(project.quality), threshold_on=project.quality_on,
+                           dtype=project.dtype, seed=seed)
     quality["b"]["name"] = name
     rules = [{"kind": "quality", **t, "result": "pass" if t["passed"] else "fail"} for t in quality["thresholds"]]
     bench = None

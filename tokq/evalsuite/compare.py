@@ -52,6 +52,7 @@ class CompareSettings:
     kv_dtype: str | None = None
     kv_memory: int | None = None
     thresholds: dict[str, dict[str | None, float]] = field(default_factory=dict)  # name -> {bucket|None: value}
+    threshold_on: str = "bound"  # stats.check_threshold: the CI's unfavourable bound, or the point estimate
 
 
 @dataclass
@@ -147,7 +148,7 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
                        "a_seconds": a_seconds, "b_seconds": b_seconds, "scored_tokens": scored_tokens},
         "kernels": {"b": engine_b.kernel_names},
     }
-    result["thresholds"] = evaluate_thresholds(result, s.thresholds)
+    result["thresholds"] = evaluate_thresholds(result, s.thresholds, s.threshold_on)
     result["passed"] = all(t["passed"] for t in result["thresholds"])
     return result
 
@@ -212,9 +213,10 @@ def _probe_comparison(a: list[dict] | None, b: list[dict] | None) -> dict | None
             "a_grid": grid(a), "b_grid": grid(b)}
 
 
-def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, float]]) -> list[dict]:
+def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, float]], on: str = "bound") -> list[dict]:
     """Each threshold against the prefill path's estimate (overall or per bucket): it fails when the
-    95% CI's unfavourable bound crosses it. The flip rate has no CI: its point value is used."""
+    95% CI's unfavourable bound crosses it (on="point": when the estimate does). The flip rate has no CI:
+    its point value is used."""
     from tokq.evalsuite.stats import Estimate
 
     out = []
@@ -236,7 +238,7 @@ def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, flo
                     raise DataError(f"--{name.replace('_', '-')} names bucket {bucket!r}, which these windows do not "
                                     f"reach (buckets: {known})")
                 est = Estimate(**{k: source[metric][k] for k in ("value", "low", "high", "n_tokens", "n_docs")})
-            check = check_threshold(est, value, direction, metric, bucket)
+            check = check_threshold(est, value, direction, metric, bucket, on)
             out.append({"name": name, "metric": metric, "bucket": bucket, "threshold": value, "passed": check.passed,
                         "value": est.value, "low": est.low, "high": est.high, "rule": check.rule})
     return out

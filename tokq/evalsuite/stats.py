@@ -433,10 +433,15 @@ class ThresholdResult:
         }
 
 
+CI_RULES = ("bound", "point")
+
+
 def check_threshold(
-    estimate: Estimate, threshold: float, direction: str, metric: str, bucket: str | None = None
+    estimate: Estimate, threshold: float, direction: str, metric: str, bucket: str | None = None,
+    on: str = "bound",
 ) -> ThresholdResult:
-    """Pass/fail a threshold on the interval's unfavourable bound, not on the point estimate.
+    """Pass/fail a threshold on the interval's unfavourable bound (on="bound", the default), or on the
+    point estimate (on="point": the CI is reported but does not decide).
 
     direction "max" (KL, ppl ratio, flip rate must stay below): fail if estimate.high > threshold.
     direction "min" (top-1 agreement, acceptance must stay above): fail if estimate.low < threshold.
@@ -445,15 +450,20 @@ def check_threshold(
     """
     if direction not in ("max", "min"):
         raise ValueError(f"direction must be 'max' or 'min', got {direction!r}")
+    if on not in CI_RULES:
+        raise ValueError(f"on must be one of {CI_RULES}, got {on!r}")
     pct = f"{estimate.confidence * 100:g}%"
-    if direction == "max":
-        bound, side, bad = estimate.high, "upper", estimate.high > threshold
-        op = ">" if bad else "<="
+    if on == "point":
+        bound, side = estimate.value, "estimate"
     else:
-        bound, side, bad = estimate.low, "lower", estimate.low < threshold
-        op = "<" if bad else ">="
+        bound, side = (estimate.high, f"upper {pct} bound") if direction == "max" else (estimate.low,
+                                                                                        f"lower {pct} bound")
+    bad = bound > threshold if direction == "max" else bound < threshold
+    op = (">" if bad else "<=") if direction == "max" else ("<" if bad else ">=")
     if math.isnan(bound):
         return ThresholdResult(metric, bucket, threshold, direction, estimate, False, bound,
                                f"no tokens to bound {metric}; {direction} {threshold:.4g} not shown")
-    rule = f"{side} {pct} bound {bound:.4g} {op} {direction} {threshold:.4g}"
+    rule = f"{side} {bound:.4g} {op} {direction} {threshold:.4g}"
+    if on == "point":
+        rule += f" ({pct} CI [{estimate.low:.4g}, {estimate.high:.4g}])"
     return ThresholdResult(metric, bucket, threshold, direction, estimate, not bad, float(bound), rule)
