@@ -39,7 +39,7 @@ def _median_round(rows: list[dict]) -> dict:
 def gate_markdown(report: dict) -> str:
     verdict = "PASS" if report["passed"] else "FAIL"
     lines = [f"# tokq gate: **{verdict}**", "", f"Base `{report['base']}`, data set `{report['data']}`.", "",
-             "| variant | rule | bucket | measured [95% CI] | threshold | result |", "|---|---|---|---|---|---|"]
+             "| variant | rule | bucket | measured [95% CI; speed: range over rounds] | threshold | result |", "|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
         for r in v["rules"]:
             shown = {"pass": "pass", "warn": "warn", "fail": "**FAIL**"}[_result(r)]
@@ -63,7 +63,7 @@ def gate_html(report: dict) -> str:
              f"</head><body><h1>tokq gate: {verdict}</h1>",
              f"<p>Base <code>{html.escape(report['base'])}</code>, data set <code>{html.escape(report['data'])}</code>; "
              "quality rules fail when the 95% CI's unfavourable bound crosses the threshold.</p>",
-             "<table><tr><th>variant</th><th>rule</th><th>bucket</th><th>measured [95% CI]</th><th>threshold</th>"
+             "<table><tr><th>variant</th><th>rule</th><th>bucket</th><th>measured [95% CI; speed: range over rounds]</th><th>threshold</th>"
              "<th>result</th></tr>"]
     for name, v in variants.items():
         for r in v["rules"]:
