@@ -188,7 +188,9 @@ def test_report_folder(capsys, models, docs, tmp_path, monkeypatch):
     assert suite.get("tests") == "2" and suite.get("failures") == "1"
     assert [c.find("failure") is not None for c in cases] == [True, False]
     assert "REGRESSION" in summary.read_text()
+    written = summary.read_text()
     (folder / "report.html").unlink()
     assert main(["report", str(folder)]) == 0
     assert (folder / "report.html").read_text().count("data:image/png") == 3
+    assert summary.read_text() == written  # a re-render does not post the summary twice
     assert main(["report", str(tmp_path / "nowhere")]) == 2

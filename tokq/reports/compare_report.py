@@ -1,37 +1,26 @@
 """Write a compare result as a report folder: report.json (source of truth), report.md, report.html, junit.xml.
 
-Written through a temporary sibling folder renamed into place, so an interrupted run never leaves a report
-that looks complete. `render(folder)` re-renders the other files from report.json (`tokq report DIR`).
+Written by reports.folder (atomically). `render(folder)` re-renders the other files from report.json
+(`tokq report DIR`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from tokq.paths import atomic_directory
+from tokq.reports.folder import write_report_folder
 from tokq.reports.html import compare_html
 from tokq.reports.junit import junit_xml
 from tokq.reports.markdown import compare_markdown
 
 
-def _files(result: dict) -> dict[str, str]:
-    return {"report.json": json.dumps(result, indent=2, default=str) + "\n", "report.md": compare_markdown(result),
-            "report.html": compare_html(result),
-            "junit.xml": junit_xml(f"tokq compare {result['a']['name']} -> {result['b']['name']}",
-                                   result["thresholds"])}
-
-
-def write_report(folder: Path, result: dict) -> Path:
-    with atomic_directory(folder) as tmp:
-        for name, text in _files(result).items():
-            (tmp / name).write_text(text, encoding="utf-8")
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:  # GitHub Actions shows it on the run's page
-        with open(summary, "a", encoding="utf-8") as f:
-            f.write(compare_markdown(result))
-    return folder / "report.html"
+def write_report(folder: Path, result: dict, step_summary: bool = True) -> Path:
+    suite = f"tokq compare {result['a']['name']} -> {result['b']['name']}"
+    return write_report_folder(folder, {
+        "report.json": lambda: json.dumps(result, indent=2, default=str) + "\n",
+        "report.md": lambda: compare_markdown(result), "report.html": lambda: compare_html(result),
+        "junit.xml": lambda: junit_xml(suite, result["thresholds"])}, step_summary)
 
 
 def render(folder: Path) -> Path:
@@ -46,5 +35,5 @@ def render(folder: Path) -> Path:
     if result.get("command") == "gate":
         from tokq.reports.gate_report import write_gate_report
 
-        return write_gate_report(folder, result)
-    return write_report(folder, result)
+        return write_gate_report(folder, result, step_summary=False)
+    return write_report(folder, result, step_summary=False)

@@ -1,7 +1,7 @@
 """The gate's report folder: report.json (source of truth), report.md (PR comment), report.html (plots), junit.xml.
 
-Each file is rendered and written inside a temporary sibling folder renamed into place only when all four
-are written: an interrupted gate leaves no report that looks complete. `tokq report DIR` re-renders from
+Written by reports.folder: file by file into a temporary sibling renamed into place only when all four are
+written, so an interrupted gate leaves no report that looks complete. `tokq report DIR` re-renders from
 report.json.
 """
 
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import html
 import json
-import os
 from pathlib import Path
 
-from tokq.paths import atomic_directory
 from tokq.reports import plots
+from tokq.reports.folder import write_report_folder
 from tokq.reports.html import STYLE
 from tokq.reports.junit import junit_xml
 from tokq.reports.markdown import compare_markdown
@@ -116,16 +115,9 @@ def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> list[
     return parts
 
 
-def write_gate_report(folder: Path, report: dict) -> Path:
+def write_gate_report(folder: Path, report: dict, step_summary: bool = True) -> Path:
     rules = [{**r, "name": f"{name}: {r['name']}"} for name, v in report["variants"].items() for r in v["rules"]]
-    renderers = {"report.json": lambda: json.dumps(report, indent=2, default=str) + "\n",
-                 "report.md": lambda: gate_markdown(report), "junit.xml": lambda: junit_xml("tokq gate", rules),
-                 "report.html": lambda: gate_html(report)}
-    with atomic_directory(Path(folder)) as tmp:
-        for name, render in renderers.items():
-            (tmp / name).write_text(render(), encoding="utf-8")
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
-        with open(summary, "a", encoding="utf-8") as f:
-            f.write((Path(folder) / "report.md").read_text(encoding="utf-8"))
-    return Path(folder) / "report.html"
+    return write_report_folder(folder, {
+        "report.json": lambda: json.dumps(report, indent=2, default=str) + "\n",
+        "report.md": lambda: gate_markdown(report), "junit.xml": lambda: junit_xml("tokq gate", rules),
+        "report.html": lambda: gate_html(report)}, step_summary)
