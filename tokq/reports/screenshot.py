@@ -38,7 +38,9 @@ def screenshot(html_path: Path, png_path: Path, width: int = 1200, height: int =
         tmp = Path(profile) / "shot.png"
         # --no-sandbox: CI containers run as root, where Chromium's sandbox refuses to start; the page is
         # our own file with no scripts. A throwaway profile keeps runs independent.
-        cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+        # --disable-dev-shm-usage: containers often give /dev/shm 64 MB, where Chromium crashes on tall pages.
+        cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+               "--hide-scrollbars", "--no-first-run",
                f"--user-data-dir={profile}", f"--window-size={width},{height}", f"--screenshot={tmp}",
                html_path.as_uri()]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
