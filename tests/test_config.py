@@ -7,6 +7,7 @@ import pytest
 from tokq.cli import main
 from tokq.config import STARTER, load_project
 from tokq.errors import ConfigError
+from tokq.paths import data_dir
 
 
 def test_init_writes_a_starter_that_parses(tmp_path, capsys):
@@ -17,6 +18,7 @@ def test_init_writes_a_starter_that_parses(tmp_path, capsys):
     assert project.variants["int4"].recipe["method"] == "awq"
     assert project.variants["int4"].path == tmp_path / "tokq_out/smollm2-awq-int4"
     assert project.data["default"].window == 2048 and project.bench.concurrency == 16
+    assert project.data["default"].path == data_dir() / "default"  # $TOKQ_HOME's default set
     assert {r.name for r in project.quality} == {"max_kl", "min_top1", "max_ppl_ratio", "max_flip_rate"}
     assert [(r.name, r.direction, r.threshold) for r in project.speed] == [("min_tpot_speedup", "min", 1.2)]
     assert main(["init", "--path", str(path)]) == 2

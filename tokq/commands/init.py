@@ -17,11 +17,15 @@ def init_cmd(
     """Write a commented starter tokq.toml to edit (it refuses to replace one unless --force)."""
     from tokq.config import STARTER, load_project
     from tokq.errors import ConfigError
-    from tokq.paths import atomic_write_text
+    from tokq.paths import atomic_write_text, data_dir
 
     if path.exists() and not force:
         raise ConfigError(f"{path} already exists: edit it, or pass --force to replace it with the starter")
-    atomic_write_text(path, STARTER)
+    # The default document set lives under $TOKQ_HOME: point the starter at this machine's copy.
+    default_docs = data_dir() / "default"
+    home = Path.home()
+    shown = "~/" + default_docs.relative_to(home).as_posix() if default_docs.is_relative_to(home) else str(default_docs)
+    atomic_write_text(path, STARTER.replace('"~/.cache/tokq/data/default"', f'"{shown}"'))
     project = load_project(path)  # the starter must always parse
     console.print(f"wrote {path}: base {project.base}, {len(project.variants)} variant(s), "
                   f"{len(project.quality) + len(project.speed)} gate rule(s); edit it, then run `tokq gate`")
