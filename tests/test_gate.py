@@ -209,6 +209,11 @@ def test_speed_rule_uses_every_round(variant_tpots, result):
     assert (verdict["low"], verdict["high"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
     (memory,) = speed_verdicts([Rule("max_memory_ratio", "max", 0.5)], base, [_row(t) for t in variant_tpots])
     assert memory["result"] == "fail" and memory["value"] == 1.0
+    small = [{**_row(t), "model_bytes": 40, "kv_cache_bytes": 60} for t in variant_tpots]
+    weights, memory = speed_verdicts([Rule("max_weights_ratio", "max", 0.5), Rule("max_memory_ratio", "max", 0.5)],
+                                     [{**_row(1.0), "kv_cache_bytes": 60}] * 3, small)
+    assert weights["result"] == "pass" and weights["value"] == 0.4  # the KV pool does not dilute it
+    assert memory["result"] == "fail" and memory["value"] == 100 / 160
 
 
 def _plot_pixels(png: Path) -> int:

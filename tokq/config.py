@@ -41,7 +41,8 @@ from tokq.project import load_config
 
 QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max"}
 DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context"}
-SPEED_RULES = {"min_tpot_speedup": "min", "min_throughput_speedup": "min", "max_memory_ratio": "max"}
+SPEED_RULES = {"min_tpot_speedup": "min", "min_throughput_speedup": "min", "max_memory_ratio": "max",
+               "max_weights_ratio": "max"}
 
 
 @dataclass(frozen=True)
@@ -284,5 +285,6 @@ max_flip_rate = 0.20          # passkey probes the base answers and the variant 
 [gate.speed]
 min_tpot_speedup = 1.2        # TPOT(base) / TPOT(variant) on the [bench] workload
 # min_throughput_speedup = 1.0
-# max_memory_ratio = 0.8
+# max_memory_ratio = 0.8       # (weights + KV cache) variant / base
+# max_weights_ratio = 0.5      # weights alone
 '''

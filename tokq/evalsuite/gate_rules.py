@@ -6,7 +6,8 @@ on the same workload, measured in the same run (ratios on a shared, noisy machin
 (base and variant alternate, so slow drifts of the machine hit both):
 - min_tpot_speedup: TPOT(base) / TPOT(variant) >= threshold;
 - min_throughput_speedup: output tokens/s (variant) / (base) >= threshold;
-- max_memory_ratio: (weights + KV cache)(variant) / (base) <= threshold.
+- max_memory_ratio: (weights + KV cache)(variant) / (base) <= threshold;
+- max_weights_ratio: weights(variant) / weights(base) <= threshold (the KV pool left out).
 The value is the median ratio, [low, high] the range over rounds. Result: pass when every round meets the
 threshold; warn when the median does but some round does not (too close to call on this machine: it does
 not block, the table says so); fail when the median misses. So a verdict can only flip between reruns when
@@ -23,6 +24,7 @@ SPEED_MEASURES = {
                                lambda base, var: var["metrics"]["output_tokens_per_s"] / base["metrics"]["output_tokens_per_s"]),
     "max_memory_ratio": ("memory ratio", lambda base, var: (var["model_bytes"] + var["kv_cache_bytes"])
                          / (base["model_bytes"] + base["kv_cache_bytes"])),
+    "max_weights_ratio": ("weights ratio", lambda base, var: var["model_bytes"] / base["model_bytes"]),
 }
 
 
