@@ -139,6 +139,15 @@ def test_bad_config_exits_2(project, tmp_path, capsys, edit, message):
     assert not out.exists()
 
 
+def test_out_that_is_not_a_report_folder_is_refused(project, tmp_path, capsys):
+    out = tmp_path / "mywork"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    code = main(["gate", "--config", str(project / "tokq.toml"), "--out", str(out), "--no-speed"])
+    assert code == 2 and "is not a tokq report folder" in capsys.readouterr().err.replace("\n", " ")
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
 def test_unknown_variant_exits_2(project, tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["gate", "--config", str(project / "tokq.toml"), "--variant", "int9", "--out", str(out)]) == 2

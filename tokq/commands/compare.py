@@ -218,6 +218,10 @@ def compare_cmd(
     from tokq.runtime import setup_runtime
 
     runtime = setup_runtime(threads, device, seed)
+    if report_dir:  # refused before minutes of scoring, not after
+        from tokq.reports.folder import check_report_folder
+
+        check_report_folder(report_dir)
     # thresholds given on the command line replace tokq.toml's [compare.thresholds] of the same name
     thresholds = {**thresholds_from_config(), **_thresholds({"max_kl": max_kl, "min_top1": min_top1,
                                                              "max_ppl_ratio": max_ppl_ratio,

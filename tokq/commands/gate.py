@@ -69,6 +69,9 @@ def gate_cmd(
     base = _base_checkpoint(project)
     for name in names:
         _check_variant(project, name)
+    from tokq.reports.folder import check_report_folder
+
+    check_report_folder(out)
 
     # From here on the run may take minutes: a stale report must not pass for this run's verdict, and a
     # CI cancel (SIGTERM) must unwind like Ctrl-C so no half-written folder is left.
