@@ -5,8 +5,12 @@ version). The model hash covers the checkpoint's config, weights and quantizatio
 re-quantized checkpoint at the same path misses); the data hash covers the windows' token ids (documents
 and tokenizer together). Any change gives a new key; old entries stay until `--clear-cache` or deletion.
 
-An entry is a safetensors file (no pickle) plus a JSON manifest holding its sha256; a file whose checksum
-does not match (corrupted, truncated) is reported and recomputed. Entries are written atomically.
+An entry is a safetensors file (no pickle) plus a JSON manifest holding its sha256, its key and the inputs
+the key was computed from (`key_parts`: model sha256, data sha256, settings). `load` uses an entry only when
+the manifest's key is the requested key, its key_parts hash to that key and equal the requested key_parts:
+a folder copied or renamed from another key (a CI cache of $TOKQ_HOME is writable by any job) is reported
+and recomputed, as is a file whose checksum does not match (corrupted, truncated). Entries are written
+atomically. This catches copied or stale entries, not a forger who writes a consistent manifest.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from tokq.paths import atomic_write_text, tokq_home
 
 log = logging.getLogger("tokq")
 _CHUNK = 1 << 20
-FORMAT = 2  # bump when what an entry holds or means changes (2: top-1 agreement counts ties)
+FORMAT = 3  # bump when what an entry holds or means changes (2: top-1 ties; 3: key and key_parts in the manifest)
 
 
 def cache_dir() -> Path:
@@ -72,15 +76,42 @@ def _file_sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def load(key: str) -> tuple[list[BaselineWindow], dict] | None:
+def _plain(parts: dict) -> dict:
+    """key_parts as the manifest reads them back (tuples become lists), so a stored copy compares equal."""
+    return json.loads(json.dumps(parts, sort_keys=True))
+
+
+def _foreign(meta: object, key: str, key_parts: dict | None) -> str | None:
+    """Why the manifest does not vouch for an entry of `key` made from `key_parts`; None when it does."""
+    if not isinstance(meta, dict):
+        return "its manifest is not a JSON object"
+    if meta.get("key") != key:
+        return f"its manifest was written for key {meta.get('key')}"
+    stored = meta.get("key_parts")
+    if stored is None and key_parts is None:
+        return None  # a caller that keys by name only: the key check above is all there is
+    if not isinstance(stored, dict) or cache_key(**stored) != key:
+        return "its recorded inputs do not hash to its key"
+    if key_parts is not None and stored != _plain(key_parts):
+        return "its recorded inputs differ from this run's"
+    return None
+
+
+def load(key: str, *, key_parts: dict | None = None) -> tuple[list[BaselineWindow], dict] | None:
     """The cached windows for `key` and the entry's extra data (what `store` was given as `describe`), or
-    None (missing, or failing its checksum: then it is recomputed)."""
+    None (missing, failing its checksum, or not this key's entry: then it is recomputed). With `key_parts`
+    (what `cache_key` was given) the manifest's recorded inputs must equal them."""
     folder = cache_dir() / key
     manifest, data = folder / "manifest.json", folder / "scores.safetensors"
     if not manifest.is_file() or not data.is_file():
         return None
     try:
         meta = json.loads(manifest.read_text())
+        why = _foreign(meta, key, key_parts)
+        if why:
+            log.warning("baseline cache entry %s is not this key's entry (%s; copied from another key's folder?); "
+                        "recomputing it", folder, why)
+            return None
         if _file_sha(data) != meta["sha256"]:
             log.warning("baseline cache entry %s fails its checksum (corrupted); recomputing it", folder)
             return None
@@ -93,8 +124,11 @@ def load(key: str) -> tuple[list[BaselineWindow], dict] | None:
         return None
 
 
-def store(key: str, windows: Sequence[BaselineWindow], describe: dict) -> tuple[Path, int]:
-    """Write an entry (atomically: data first, then the manifest that vouches for it); (path, bytes)."""
+def store(key: str, windows: Sequence[BaselineWindow], describe: dict, *,
+          key_parts: dict | None = None) -> tuple[Path, int]:
+    """Write an entry (atomically: data first, then the manifest that vouches for it); (path, bytes).
+    The manifest records `key` and `key_parts` (the inputs it was computed from) for `load` to check;
+    an existing entry in the folder (e.g. a foreign one `load` refused) is overwritten."""
     folder = cache_dir() / key
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -107,6 +141,7 @@ def store(key: str, windows: Sequence[BaselineWindow], describe: dict) -> tuple[
     tmp.replace(folder / "scores.safetensors")
     data = folder / "scores.safetensors"
     atomic_write_text(folder / "manifest.json", json.dumps(
-        {"windows": len(windows), "sha256": _file_sha(data), "bytes": data.stat().st_size, "extra": describe},
+        {"windows": len(windows), "sha256": _file_sha(data), "bytes": data.stat().st_size, "extra": describe,
+         "key": key, "key_parts": _plain(key_parts) if key_parts is not None else None},
         indent=2))
     return folder, data.stat().st_size

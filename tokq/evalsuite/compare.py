@@ -91,7 +91,7 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
                      probes=[s.probes, s.probe_max_context, list(s.probe_depths), s.seed])
     key = baseline_cache.cache_key(**key_parts)
     tick = (lambda label, total: progress(label, total)) if progress else (lambda label, total: None)
-    cached = baseline_cache.load(key) if s.use_cache else None
+    cached = baseline_cache.load(key, key_parts=key_parts) if s.use_cache else None
     cache_info = {"key": key, "hit": cached is not None, "enabled": s.use_cache}
     engine_a = None
     if cached is not None:
@@ -109,7 +109,7 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
         a_seconds = time.perf_counter() - start
         a_extra = {"floor": floor, "probes": a_probes, "seconds": a_seconds}
         if s.use_cache:
-            folder, size = baseline_cache.store(key, [*base_prefill, *base_decode], a_extra)
+            folder, size = baseline_cache.store(key, [*base_prefill, *base_decode], a_extra, key_parts=key_parts)
             cache_info.update(path=str(folder), bytes=size)
         del engine_a
     if cached is not None:
