@@ -1,11 +1,11 @@
 """tokq.toml, read whole and checked: base model, variants, data sets, the bench workload, gate rules.
 
     [base]
-    model = "smollm2-135m"          # zoo name or checkpoint directory
+    model = "smollm2-135m"          # zoo name, or checkpoint directory (relative to this file)
     dtype = "auto"
 
     [variants]
-    int4 = { path = "tokq_out/smollm2-awq-int4", method = "awq", scheme = "w4a16" }
+    int4 = "tokq_out/smollm2-awq-int4"                                     # a checkpoint
     w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }   # built by `tokq quantize` when missing
 
     [data.default]
@@ -25,12 +25,18 @@
     [gate.speed]
     min_tpot_speedup = 1.2
 
-Every key is checked: an unknown key or a value of the wrong type is an error naming the file, the line
-and the fix (`ConfigError`, exit 2). `tokq.project` keeps the [variants] lookup the other commands use.
+Every key is checked when the file is loaded, before any work: an unknown key (a variant takes path and
+recipe; a recipe only `tokq quantize` options; a per-bucket rule only "overall" and the position buckets of
+evalsuite.stats), a value of the wrong type, a threshold that is nan or inf, or a gate without any rule is
+an error naming the file, the line and the fix (`ConfigError`, exit 2). Relative paths ([base] model unless
+it is a zoo name, variant paths, data paths, a recipe's calib) are relative to this file's folder, never the
+working directory. `tokq.project` keeps the [variants] lookup the other commands use.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +47,13 @@ from tokq.project import load_config
 
 QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max"}
 DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context"}
-SPEED_RULES = {"min_tpot_speedup": "min", "min_throughput_speedup": "min", "max_memory_ratio": "max",
-               "max_weights_ratio": "max"}
+# Speed rules: the variant against the base on the [bench] workload, measured as one paired experiment
+# (evalsuite.gate_rules maps each to its metric). "speedup": base / variant for times, variant / base for
+# throughputs (higher is better); "ratio": variant / base (lower is better).
+SPEED_RULES = {"min_tpot_speedup": "min", "min_throughput_speedup": "min", "min_total_throughput_speedup": "min",
+               "max_ttft_ratio": "max", "max_ttft_p50_ratio": "max", "max_ttft_p95_ratio": "max",
+               "max_itl_p95_ratio": "max", "max_itl_p99_ratio": "max", "max_e2el_ratio": "max",
+               "max_memory_ratio": "max", "max_weights_ratio": "max", "max_kv_ratio": "max"}
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,8 @@ class BenchWorkload:
     num_prompts: int | None = None
     gen_len_range: float = 0.0
     arrival_rate: float | None = None  # None: all at once
-    rounds: int = 3  # base and variant alternate this many times; speed rules use the per-round ratios
+    max_seconds: float = 60.0  # time budget of the paired speed experiment, per variant
+    block_steps: int = 8  # engine steps per block: base and variant alternate block by block
 
 
 @dataclass
@@ -139,10 +151,12 @@ class _Checker:
         return value
 
     def number(self, table: str, key: str, value: Any, *, integer: bool = False, minimum: float | None = None,
-               below: float | None = None) -> float:
+               below: float | None = None, finite: bool = False) -> float:
         kind = "an integer" if integer else "a number"
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
             raise self.fail(table, key, f"= {value!r} must be {kind}")
+        if finite and not math.isfinite(value):  # nan passes and fails nothing: a rule that checks nothing
+            raise self.fail(table, key, f"= {value!r} must be a finite number")
         if minimum is not None and value < minimum:
             raise self.fail(table, key, f"= {value!r} must be >= {minimum}")
         if below is not None and value >= below:
@@ -168,7 +182,7 @@ def load_project(path: Path) -> Project:
     base_table = check.table(raw, "base", {"model", "dtype"})
     if "model" not in base_table:
         raise check.fail("base", None, "needs model = \"<zoo name or checkpoint directory>\"")
-    project = Project(path, check.string("base", "model", base_table["model"]),
+    project = Project(path, _base_model(path, check.string("base", "model", base_table["model"])),
                       check.string("base", "dtype", base_table.get("dtype", "auto")), checker=check)
     for name, entry in check.table(raw, "variants").items():
         project.variants[name] = _variant(check, path, name, entry)
@@ -177,14 +191,19 @@ def load_project(path: Path) -> Project:
             raise check.fail("data", name, "must be a table: [data.NAME] with path = ...")
         project.data[name] = _data_set(check, path, name, entry)
     bench = check.table(raw, "bench", {"prompt_len", "gen_len", "concurrency", "num_prompts", "gen_len_range",
-                                       "arrival_rate", "rounds"})
+                                       "arrival_rate", "max_seconds", "block_steps", "rounds"})
+    if "rounds" in bench:
+        raise check.fail("bench", "rounds", "was replaced by max_seconds (the paired speed experiment runs as many "
+                                            "interleaved passes as fit): write max_seconds = 60 instead")
     workload = BenchWorkload()
-    for key in ("prompt_len", "gen_len", "concurrency", "num_prompts", "rounds"):
+    for key in ("prompt_len", "gen_len", "concurrency", "num_prompts", "block_steps"):
         if key in bench:
             setattr(workload, key, int(check.number("bench", key, bench[key], integer=True, minimum=1)))
     if "gen_len_range" in bench:
         workload.gen_len_range = float(check.number("bench", "gen_len_range", bench["gen_len_range"], minimum=0,
                                                     below=1))
+    if "max_seconds" in bench:
+        workload.max_seconds = float(check.number("bench", "max_seconds", bench["max_seconds"], minimum=1))
     if "arrival_rate" in bench:
         rate = check.number("bench", "arrival_rate", bench["arrival_rate"])
         if rate <= 0:
@@ -201,7 +220,27 @@ def load_project(path: Path) -> Project:
     project.quality = _rules(check, {"quality": {k: v for k, v in quality.items() if k != "ci"}}, "gate.quality",
                              QUALITY_RULES, buckets=True)
     project.speed = _rules(check, gate, "gate.speed", SPEED_RULES, buckets=False)
+    if not project.quality and not project.speed:
+        table = next((t for t in ("gate.quality", "gate.speed") if check.line_of(t)), "gate.quality")
+        other = "[gate.speed]" if table == "gate.quality" else "[gate.quality]"
+        raise check.fail(table, None, f"holds no rule and neither does {other}: a gate without rules would pass any "
+                                      "variant; add one, e.g. max_kl = 0.05 under [gate.quality] or "
+                                      "min_tpot_speedup = 1.2 under [gate.speed]")
+    # `tokq compare` reads [compare.thresholds] itself; checked here too so a gate run never carries a bad one.
+    compare = check.table(raw, "compare", {"thresholds"})
+    _rules(check, compare, "compare.thresholds", QUALITY_RULES, buckets=True)
     return project
+
+
+def _base_model(path: Path, model: str) -> str:
+    """A zoo name stays one; anything else is a checkpoint directory, made absolute against tokq.toml's folder
+    (never the working directory, and never looked up as a [variants] name)."""
+    from tokq.zoo import ZOO
+
+    if model in ZOO:
+        return model
+    folder = Path(model).expanduser()
+    return os.path.normpath(folder if folder.is_absolute() else path.absolute().parent / folder)
 
 
 def _variant(check: _Checker, path: Path, name: str, entry: Any) -> Variant:
@@ -209,6 +248,10 @@ def _variant(check: _Checker, path: Path, name: str, entry: Any) -> Variant:
         entry = {"path": entry}
     if not isinstance(entry, dict):
         raise check.fail("variants", name, "must be a path string or a table { path = ..., recipe = {...} }")
+    for key in entry:
+        if key not in ("path", "recipe"):
+            raise check.fail("variants", name, f"has an unknown key {key!r}: a variant takes path and recipe "
+                                               f"(`tokq quantize` options go inside recipe = {{ ... }})")
     if "path" not in entry and "recipe" not in entry:
         raise check.fail("variants", name, "needs a path (a checkpoint) or a recipe (how to build it)")
     target = None
@@ -219,7 +262,29 @@ def _variant(check: _Checker, path: Path, name: str, entry: Any) -> Variant:
     if recipe is not None and (not isinstance(recipe, dict) or "method" not in recipe):
         raise check.fail("variants", name, "recipe must be a table with at least method = \"awq\" (rtn, awq, gptq, "
                                            "smoothquant, fp8)")
+    if recipe is not None:
+        _check_recipe(check, name, recipe)
     return Variant(name, target, recipe)
+
+
+def _check_recipe(check: _Checker, name: str, recipe: dict) -> None:
+    """Every recipe key is a `tokq quantize` option the gate may pass, with a value of its type."""
+    from tokq.commands.quantize import recipe_options
+
+    options = recipe_options()
+    for key, value in recipe.items():
+        option = options.get(key)
+        if option is None:
+            raise check.fail("variants", name, f"recipe key {key!r} is not a `tokq quantize` option a recipe can set; "
+                                               f"known: {', '.join(sorted(options))}")
+        if not option.accepts(value):
+            raise check.fail("variants", name, f"recipe {key} = {value!r} must be {option.describe()} "
+                                               f"(as `tokq quantize {option.flag}` takes it)")
+    from tokq.quantize.api import METHODS
+
+    if recipe["method"] not in METHODS:
+        raise check.fail("variants", name, f"recipe method = {recipe['method']!r} is not a method; choose one of "
+                                           f"{', '.join(METHODS)}")
 
 
 def _data_set(check: _Checker, path: Path, name: str, entry: dict) -> DataSet:
@@ -240,12 +305,24 @@ def _data_set(check: _Checker, path: Path, name: str, entry: dict) -> DataSet:
 def _rules(check: _Checker, gate: dict, table: str, known: dict[str, str], buckets: bool) -> list[Rule]:
     entries = check.table(gate, table, set(known))
     rules = []
+    labels = _bucket_labels() if buckets else []
     for name, value in entries.items():
         per = value if isinstance(value, dict) and buckets else {"overall": value}
+        if not per:
+            raise check.fail(table, name, "is an empty table: give a threshold, or { overall = ..., \"BUCKET\" = ... }")
         for bucket, threshold in per.items():
-            number = check.number(table, name, threshold)
+            if bucket != "overall" and bucket not in labels:
+                raise check.fail(table, name, f"names bucket {bucket!r}, which is not a position bucket; use "
+                                              f"overall or one of {', '.join(labels)}")
+            number = check.number(table, name, threshold, finite=True)
             rules.append(Rule(name, known[name], float(number), None if bucket == "overall" else bucket))
     return rules
+
+
+def _bucket_labels() -> list[str]:
+    from tokq.evalsuite.stats import POSITION_BUCKETS
+
+    return [label for _, _, label in POSITION_BUCKETS]
 
 
 STARTER = '''# tokq.toml: what `tokq gate` checks before a quantized build may ship.
@@ -270,8 +347,9 @@ prompt_len = 512
 gen_len = 256
 concurrency = 16
 # arrival_rate = 4.0          # Poisson arrivals per second (default: all at once)
-rounds = 3                    # base and variant alternate; a speed rule passes when every round meets it,
-                              # warns when only the median does, fails when the median misses
+max_seconds = 60              # paired speed experiment per variant: base and variant alternate every few steps;
+                              # a speed rule passes when its whole 95% interval meets it, fails when the whole
+                              # interval misses it, and is "inconclusive" (exit 3) otherwise
 
 [gate.quality]
 # A rule fails when the 95% confidence interval's unfavourable bound crosses it
@@ -284,6 +362,7 @@ max_flip_rate = 0.20          # passkey probes the base answers and the variant 
 
 [gate.speed]
 min_tpot_speedup = 1.2        # TPOT(base) / TPOT(variant) on the [bench] workload
+max_ttft_p50_ratio = 1.5      # median TTFT variant / base (prefill regressions)
 # min_throughput_speedup = 1.0
 # max_memory_ratio = 0.8       # (weights + KV cache) variant / base
 # max_weights_ratio = 0.5      # weights alone

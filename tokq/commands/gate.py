@@ -25,23 +25,29 @@ from rich.markup import escape
 from rich.table import Table
 
 from tokq import __version__
-from tokq.errors import EXIT_CHECK_FAILED
+from tokq.errors import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE
 
 console = Console(stderr=True)
-RESULT_STYLE = {"pass": "[green]pass[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]"}
+RESULT_STYLE = {"pass": "[green]pass[/]", "inconclusive": "[yellow]inconclusive[/]", "fail": "[bold red]FAIL[/]"}
 
 
 def gate_cmd(
     config: Path = typer.Option(None, "--config", help="tokq.toml (default: $TOKQ_CONFIG or the nearest tokq.toml)."),
     variant: list[str] = typer.Option(None, "--variant", help="Gate only these variants (default: all in tokq.toml)."),
-    data_set: str = typer.Option(None, "--data", help="Which [data.NAME] set (default: the first)."),
+    data_set: str = typer.Option(None, "--data", help="Which \\[data.NAME] set (default: the first)."),
     out: Path = typer.Option(Path("tokq_gate"), "--out", help="Report folder (replaced when the gate starts)."),
     no_speed: bool = typer.Option(False, "--no-speed", help="Skip the bench and the speed rules."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     seed: int = typer.Option(0, "--seed", help="Seed of windows, bootstrap, probes and bench prompts."),
 ) -> None:
-    """Gate the variants of tokq.toml on quality and speed against the base; exit 1 when a rule fails."""
+    """Gate the variants of tokq.toml on quality and speed against the base; exit 1 when a rule fails.
+
+    Exit codes: 0 every rule passed; 1 a rule failed (a regression); 2 bad usage or input (tokq.toml, data,
+    checkpoints: the error names the line and the fix); 3 inconclusive (the data could not decide, e.g. a noisy
+    runner: rerun or lengthen the run, never read it as a pass); 4 internal error (a bug in tokq: the traceback
+    is in the log file named, or printed with `tokq --debug gate`); 130 interrupted.
+    """
     from tokq.config import load_project
     from tokq.errors import ConfigError
     from tokq.project import find_config
@@ -52,6 +58,9 @@ def gate_cmd(
     if path is None:
         raise ConfigError("no tokq.toml here or above: run `tokq init`, or pass --config PATH")
     project = load_project(Path(path))
+    if no_speed and not project.quality:  # the speed rules are skipped: the gate would check nothing
+        raise project.error("gate.quality", None, "holds no rule and --no-speed skips [gate.speed]: nothing would "
+                                                  "be checked; add a quality rule or drop --no-speed")
     names = list(variant or project.variants)
     for name in names:
         if name not in project.variants:
@@ -83,19 +92,24 @@ def gate_cmd(
         report = {"tokq_version": __version__, "command": "gate", "config": str(path),
                   "config_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "base": project.base,
                   "base_checkpoint": str(base), "data": data.name, "runtime": runtime.to_json(),
-                  "versions": _versions(), "variants": {}}
+                  "versions": _versions(), "context": _context(Path(path), base), "variants": {}}
         for name in names:
             report["variants"][name] = _gate_variant(project, name, checkpoints[name], base, data, runtime, seed,
                                                      no_speed)
-        report["passed"] = all(v["passed"] for v in report["variants"].values())
+        from tokq.evalsuite.gate_rules import overall_result
+
+        report["result"] = overall_result([v["result"] for v in report["variants"].values()])
+        report["passed"] = report["result"] == "pass"
         _print_verdict(report)
         from tokq.reports.gate_report import write_gate_report
 
         console.print(f"report: {write_gate_report(out, report)}", highlight=False)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if not report["passed"]:
+    if report["result"] == "fail":
         raise typer.Exit(EXIT_CHECK_FAILED)
+    if report["result"] == "inconclusive":
+        raise typer.Exit(EXIT_INCONCLUSIVE)
 
 
 def _versions() -> dict[str, str | None]:
@@ -110,17 +124,41 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
+def _context(config: Path, base: Path) -> dict:
+    """What a reviewer needs beside the numbers: the commit gated and the base model's true source."""
+    import json
+    import os
+    import subprocess
+
+    commit = os.environ.get("GITHUB_SHA") or os.environ.get("CI_COMMIT_SHA")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=config.parent, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    provenance = base / "provenance.json"
+    source = None
+    if provenance.is_file():
+        try:
+            source = json.loads(provenance.read_text()).get("source")
+        except (OSError, ValueError):
+            source = None
+    return {"commit": commit, "base_source": source}
+
+
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _base_checkpoint(project) -> Path:
-    """[base] model resolved up front: a missing base is a config error naming its line, before any work."""
+    """[base] model resolved up front: a missing base is a config error naming its line, before any work.
+    load_project made a path absolute against tokq.toml's folder; a zoo name stays one (never a variant)."""
     from tokq.errors import ModelError
     from tokq.zoo import resolve_model
 
     try:
-        return resolve_model(project.base)
+        return resolve_model(project.base, variants=False)
     except ModelError as exc:
         raise project.error("base", "model", f"= {project.base!r}: {exc}") from None
 
@@ -131,33 +169,66 @@ def _variant_target(project, name: str) -> Path:
 
 
 def _check_variant(project, name: str) -> None:
+    """Before any work: the checkpoint exists or can be built, and a recipe's checkpoint was built from a recipe."""
+    from tokq.quantize.api import recorded_recipe_sha256
+
     target = _variant_target(project, name)
-    if not target.is_dir() and project.variants[name].recipe is None:
+    recipe = project.variants[name].recipe
+    if not target.is_dir() and recipe is None:
         raise project.error("variants", name, f"points at {target}, which does not exist, and has no recipe to "
                                               "build it: quantize it first or add recipe = { method = ... }")
+    if target.is_dir() and recipe is not None and recorded_recipe_sha256(target) is None:
+        raise _foreign_checkpoint(project, name, target)
+
+
+def _foreign_checkpoint(project, name: str, target: Path):
+    return project.error("variants", name, f"has a recipe, but its checkpoint {target} was not built from a recipe "
+                                           "by tokq gate (its tokq_quantization.json records no recipe hash), so "
+                                           "nothing says it follows this one: delete the checkpoint so the gate "
+                                           "rebuilds it from the recipe, or drop the recipe to gate it as it is")
 
 
 def _checkpoint(project, name: str, threads: int | None) -> Path:
-    """The variant's checkpoint, built from its recipe with `tokq quantize` when missing."""
+    """The variant's checkpoint; one with a recipe is built with `tokq quantize` when missing, reused when it
+    records this recipe's hash (recipe table + base model content), rebuilt when it records another."""
     from tokq.cli import main
+    from tokq.commands.quantize import recipe_options
+    from tokq.errors import EXIT_INTERNAL, EXIT_INTERRUPTED
+    from tokq.evalsuite.baseline_cache import model_hash
+    from tokq.quantize.api import recipe_sha256, recorded_recipe_sha256
 
     target = _variant_target(project, name)
-    if target.is_dir():
+    recipe = project.variants[name].recipe
+    if recipe is None:
         return target
-    args = ["quantize", "--model", project.base, "--out", str(target)]
-    for key, value in project.variants[name].recipe.items():
+    base = _base_checkpoint(project)
+    wanted = recipe_sha256(recipe, model_hash(base))
+    recorded = recorded_recipe_sha256(target) if target.is_dir() else None
+    if target.is_dir() and recorded is None:
+        raise _foreign_checkpoint(project, name, target)
+    if recorded == wanted:
+        console.print(escape(f"variant {name}: {target} follows its recipe (sha256 {wanted[:12]}); reusing it"),
+                      highlight=False)
+        return target
+    args = ["quantize", "--model", str(base), "--out", str(target), "--recipe-sha256", wanted]
+    options = recipe_options()
+    for key, value in recipe.items():
         if key == "calib":  # a folder, relative to tokq.toml like every path in it
             value = Path(value).expanduser()
             value = value if value.is_absolute() else project.path.parent / value
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + key.replace("_", "-"))
-        else:
-            args += [flag, str(value)]
+        args += options[key].args(value)
     if threads:
         args += ["--threads", str(threads)]
+    if recorded is not None:
+        args.append("--force")  # save_quantized replaces the old checkpoint only once the new one is complete
+        console.print(escape(f"variant {name}: the recipe or the base changed since {target} was built (recipe "
+                             f"sha256 {recorded[:12]} -> {wanted[:12]}); rebuilding it (the old checkpoint stays "
+                             "until the new one is complete)"), highlight=False)
     console.print(escape(f"building variant {name}: tokq {' '.join(args)}"), highlight=False)
-    if main(args) != 0:
+    code = main(args)
+    if code in (EXIT_INTERNAL, EXIT_INTERRUPTED):  # a bug or a cancel, already reported: not the recipe's fault
+        raise typer.Exit(code)
+    if code != 0:
         raise project.error("variants", name, "has a recipe that failed (see above): fix the recipe")
     return target
 
@@ -165,7 +236,7 @@ def _checkpoint(project, name: str, threads: int | None) -> Path:
 def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtime, seed: int,
                   no_speed: bool) -> dict:
     from tokq.commands.compare import compare_pair
-    from tokq.evalsuite.gate_rules import quality_thresholds, speed_verdicts
+    from tokq.evalsuite.gate_rules import overall_result, quality_thresholds, speed_verdicts
 
     console.print(f"[bold]gate {escape(name)}[/]: quality on {escape(f'[data.{data.name}]')}", highlight=False)
     quality = compare_pair(str(base), str(checkpoint), runtime, data=data.path, window=data.window,
@@ -173,25 +244,34 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
                            probe_max_context=data.probe_max_context,
                            thresholds=quality_thresholds(project.quality), threshold_on=project.quality_on,
                            dtype=project.dtype, seed=seed)
-    quality["b"]["name"] = name
-    rules = [{"kind": "quality", **t, "result": "pass" if t["passed"] else "fail"} for t in quality["thresholds"]]
+    quality["a"]["name"], quality["b"]["name"] = project.base, name  # names in reports, never absolute paths
+    rules = [{"kind": "quality", **t, "result": t.get("result") or (
+        "pass" if t["passed"] else "inconclusive" if t.get("inconclusive") else "fail")} for t in quality["thresholds"]]
     bench = None
     if project.speed and not no_speed:
-        console.print(f"[bold]gate {escape(name)}[/]: speed on the {escape('[bench]')} workload, "
-                      f"{project.bench.rounds} rounds", highlight=False)
-        bench = _bench(project, name, checkpoint, base, runtime, seed)
-        rules += speed_verdicts(project.speed, bench["base"], bench["variant"])
-    return {"checkpoint": str(checkpoint), "compare": quality, "bench": bench, "rules": rules,
-            "passed": all(r["passed"] for r in rules)}
+        console.print(f"[bold]gate {escape(name)}[/]: speed on the {escape('[bench]')} workload, paired and "
+                      f"interleaved, {project.bench.max_seconds:g} s", highlight=False)
+        bench = _bench(project, checkpoint, base, runtime, seed)
+        from tokq.evalsuite.speed_stats import SpeedAnalysis
+
+        analysis = bench.pop("_analysis")
+        assert isinstance(analysis, SpeedAnalysis)
+        rules += speed_verdicts(project.speed, analysis, bench["memory"])
+    result = overall_result([r["result"] for r in rules])
+    return {"checkpoint": str(checkpoint), "compare": quality, "bench": bench, "rules": rules, "result": result,
+            "passed": result == "pass"}
 
 
-def _bench(project, name: str, checkpoint: Path, base: Path, runtime, seed: int) -> dict:
-    """Base and variant alternate for [bench] rounds on one workload; each round's row per side."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _bench(project, checkpoint: Path, base: Path, runtime, seed: int) -> dict:
+    """The paired speed experiment (engine.paired_bench) on the [bench] workload and its analysis."""
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
     from tokq.engine.checkpoint import load_model
-    from tokq.engine.roofline import copy_bandwidth
-    from tokq.engine.workload import Workload, bench_model
+    from tokq.engine.paired_bench import SIDES, paired_engines, run_paired
+    from tokq.engine.roofline import copy_bandwidth, decode_roofline
+    from tokq.engine.workload import Workload
+    from tokq.evalsuite.speed_stats import analyze
+    from tokq.machine_load import LoadMonitor
 
     w = project.bench
     workload = Workload(w.prompt_len, w.gen_len, w.num_prompts or w.concurrency, w.gen_len_range,
@@ -200,34 +280,58 @@ def _bench(project, name: str, checkpoint: Path, base: Path, runtime, seed: int)
     bandwidth = copy_bandwidth(runtime.device)["gbps_median"]
     models = {"base": load_model(base, dtype=compute, device=runtime.device),
               "variant": load_model(checkpoint, dtype=compute, device=runtime.device)}
-    prompts = workload.prompts(models["base"].config.vocab_size)
-    rounds: dict[str, list[dict]] = {"base": [], "variant": []}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        for _ in range(w.rounds):
-            for label, model in models.items():
-                row = bench_model(label, model, workload, ["continuous"], dict(max_num_seqs=w.concurrency),
-                                  bandwidth, prompts, progress)[0]
-                rounds[label].append(row)
-    return {"workload": workload.to_json(), "rounds": w.rounds, "copy_bandwidth_gbps": bandwidth, **rounds}
+    engines = paired_engines(models, workload, w.concurrency)
+    monitor = LoadMonitor()
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("paired bench: pass 0", total=None)
+        trace = run_paired(engines, workload, models["base"].config.vocab_size, budget_s=w.max_seconds,
+                           block_steps=w.block_steps,
+                           on_pass=lambda n, s: progress.update(task, description=f"paired bench: pass {n}, "
+                                                                                  f"{s:.0f} s"))
+    load = monitor.stop()
+    analysis = analyze(trace, seed=seed)
+    batch = min(workload.num_requests, w.concurrency)
+    sides = {}
+    for s in SIDES:
+        engine = engines[s]
+        roof = decode_roofline(models[s], engine.kv_spec.bytes_per_token, batch,
+                               workload.prompt_len + workload.gen_len / 2, bandwidth)
+        tpot = analysis.metrics[s]["mean_tpot_ms"] / 1e3
+        weights = sum(t.numel() * t.element_size() for t in [*models[s].parameters(), *models[s].buffers()])
+        sides[s] = {"metrics": analysis.metrics[s], "kernels": engine.kernel_names, "roofline": roof,
+                    "roofline_fraction": roof["roofline_step_s"] / tpot if tpot > 0 else None,
+                    "stalls": len(analysis.stalls[s])}
+        sides[s]["memory"] = {"weights_bytes": weights, "kv_cache_bytes": engine.kv_cache_bytes}
+    return {"workload": workload.to_json(), "max_seconds": w.max_seconds, "block_steps": w.block_steps,
+            "copy_bandwidth_gbps": bandwidth, "seconds": trace.seconds, "passes": len(trace.passes),
+            "stopped_by": trace.stopped_by, "machine_load": load, "analysis": analysis.to_json(),
+            "base": sides["base"], "variant": sides["variant"],
+            "memory": {s: sides[s]["memory"] for s in SIDES}, "_analysis": analysis}
+
+
+RESULT_ORDER = {"fail": 0, "inconclusive": 1, "pass": 2}
+
+
+def ordered_rules(report: dict) -> list[tuple[str, dict]]:
+    """(variant, rule) pairs, failing first, then inconclusive, then passing: what a reviewer reads first."""
+    rows = [(name, r) for name, v in report["variants"].items() for r in v["rules"]]
+    return sorted(rows, key=lambda row: RESULT_ORDER[row[1]["result"]])
 
 
 def _print_verdict(report: dict) -> None:
-    table = Table(title=f"tokq gate: {'PASS' if report['passed'] else 'FAIL'}")
-    for col in ("variant", "rule", "bucket", "measured [95% CI | range]", "threshold", "result"):
+    table = Table(title=f"tokq gate: {report['result'].upper()}")
+    for col in ("variant", "rule", "bucket", "measured [95% CI]", "threshold", "result"):
         table.add_column(col)
-    for name, v in report["variants"].items():
-        for r in v["rules"]:
-            value = "-" if r.get("value") is None else f"{r['value']:.4g}"
-            if r.get("low") is not None:
-                value += f" [{r['low']:.4g}, {r['high']:.4g}]"
-            table.add_row(name, r["name"], r.get("bucket") or "overall", value, str(r["threshold"]),
-                          RESULT_STYLE[r["result"]])
+    for name, r in ordered_rules(report):
+        value = "-" if r.get("value") is None else f"{r['value']:.4g}"
+        if r.get("low") is not None:
+            value += f" [{r['low']:.4g}, {r['high']:.4g}]"
+        table.add_row(name, r["name"], r.get("bucket") or "overall", value, str(r["threshold"]),
+                      RESULT_STYLE[r["result"]])
     out = Console()
     if not out.is_terminal:
         out = Console(width=200)
     out.print(table)
-    for name, v in report["variants"].items():
-        for r in v["rules"]:
-            if r["result"] != "pass":
-                out.print(f"{name}: {r['result'].upper()} {r['rule']}", highlight=False, markup=False)
+    for name, r in ordered_rules(report):
+        if r["result"] != "pass":
+            out.print(f"{name}: {r['result'].upper()} {r['rule']}", highlight=False, markup=False)

@@ -12,7 +12,8 @@ with a clear error, and the requests already running carry on.
 `score(windows)` runs each window as a prompt through chunked prefill into the paged cache and keeps,
 at every position, the log-probability of the actual next token and the top-k log-probabilities.
 With `decode_from=d`, positions from d on are run one token per step through the decode kernels
-(the prefill-then-decode path, the one a quantized KV cache affects the way serving does).
+(the prefill-then-decode path, the one a quantized KV cache affects the way serving does). With
+`full_rows` masks it also keeps the whole vocabulary's log-probabilities at the selected positions only.
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ class WindowScores:
     topk_logprobs: torch.Tensor | None  # fp32 [L - 1, k]
     decode_from: int | None = None
     gathered: torch.Tensor | None = None  # fp32 [L - 1, k]: log-probabilities at the requested gather_ids
+    full_logprobs: torch.Tensor | None = None  # fp32 [rows set in full_rows, vocab], in position order
+
+
+def _full_logprobs(score: ScoreRequest, vocab: int) -> torch.Tensor | None:
+    """The kept whole-vocabulary rows of one scored window (an empty [0, vocab] when the mask selects none)."""
+    if score.full_rows is None:
+        return None
+    if not score.full_logprobs:
+        return torch.empty(0, vocab)
+    return torch.cat(score.full_logprobs)
 
 
 @dataclass
@@ -127,6 +138,7 @@ class LLMEngine:
         self._next_id = 0
         self._seqs: dict[int, Sequence] = {}
         self._run = _RunState()
+        self.last_scheduled: ScheduledStep | None = None
 
     # Set-up ---------------------------------------------------------------------------------------
 
@@ -219,6 +231,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         step = self.scheduler.schedule()
+        self.last_scheduled = step  # what the step ran (the paired bench records its shape)
         if not step:
             if self.scheduler.running or self.scheduler.waiting:
                 raise EngineError("the scheduler could not place any request (KV cache too small for the next one); "
@@ -312,6 +325,10 @@ class LLMEngine:
             if score.gather_ids is not None:
                 wanted = score.gather_ids[start + lo: start + hi].to(logprobs.device)
                 score.gathered.append(logprobs.gather(1, wanted).cpu())
+            if score.full_rows is not None:
+                keep = score.full_rows[start + lo: start + hi].to(logprobs.device)
+                if bool(keep.any()):  # only the selected rows leave the chunk: memory stays rows x vocab
+                    score.full_logprobs.append(logprobs[keep].cpu())
 
     # Batch APIs -----------------------------------------------------------------------------------
 
@@ -362,11 +379,14 @@ class LLMEngine:
 
     def score(self, windows: Iterable[Seq[int] | torch.Tensor], topk: int = 0, decode_from: int | None = None,
               progress: Callable[[int], None] | None = None,
-              gather_ids: Seq[torch.Tensor | None] | None = None) -> list[WindowScores]:
+              gather_ids: Seq[torch.Tensor | None] | None = None,
+              full_rows: Seq[torch.Tensor | None] | None = None) -> list[WindowScores]:
         """Score token windows (see the module docstring); results in the windows' order.
 
         `gather_ids`: per window, an int64 [len - 1, k] tensor of token ids whose log-probabilities to
-        keep at each position as well (a candidate scored at its baseline's top-k ids, for KL)."""
+        keep at each position as well (a candidate scored at its baseline's top-k ids, for KL).
+        `full_rows`: per window, a bool [len - 1] mask of positions whose whole-vocabulary log-probabilities
+        (fp32) to keep as well: the full KL at a sample of positions, without rows x vocab for all."""
         if topk < 0 or topk > self.model.config.vocab_size:
             raise EngineError(f"topk={topk}: must be between 0 and the vocabulary size {self.model.config.vocab_size}")
         if decode_from is not None and decode_from < 1:
@@ -374,17 +394,23 @@ class LLMEngine:
         ids = []
         windows = list(windows)
         gathers = list(gather_ids) if gather_ids is not None else [None] * len(windows)
-        if len(gathers) != len(windows):
-            raise EngineError(f"gather_ids has {len(gathers)} entries for {len(windows)} windows: give one per window")
-        for window, gather in zip(windows, gathers, strict=True):
+        fulls = list(full_rows) if full_rows is not None else [None] * len(windows)
+        for name, given in (("gather_ids", gathers), ("full_rows", fulls)):
+            if len(given) != len(windows):
+                raise EngineError(f"{name} has {len(given)} entries for {len(windows)} windows: give one per window")
+        for window, gather, full in zip(windows, gathers, fulls, strict=True):
             tokens = self._tokens(window)
             if len(tokens) < 2:
                 raise EngineError(f"a window of {len(tokens)} token(s) has nothing to score: give at least 2 tokens")
             if gather is not None and (gather.dim() != 2 or gather.shape[0] != len(tokens) - 1):
                 raise EngineError(f"gather_ids for a window of {len(tokens)} tokens must be [{len(tokens) - 1}, k], "
                                   f"got {tuple(gather.shape)}")
+            if full is not None and (full.dtype != torch.bool or full.shape != (len(tokens) - 1,)):
+                raise EngineError(f"full_rows for a window of {len(tokens)} tokens must be a bool [{len(tokens) - 1}] "
+                                  f"mask, got {full.dtype} {tuple(full.shape)}")
             ids.append(self.add_request(tokens, SamplingParams(max_tokens=0),
-                                        score=ScoreRequest(topk=topk, decode_from=decode_from, gather_ids=gather)))
+                                        score=ScoreRequest(topk=topk, decode_from=decode_from, gather_ids=gather,
+                                                           full_rows=full)))
         self._drain(ids, progress)
         results = []
         for i in ids:
@@ -393,7 +419,8 @@ class LLMEngine:
             results.append(WindowScores(
                 seq.token_ids, torch.cat(s.logprobs),
                 torch.cat(s.topk_ids) if s.topk else None, torch.cat(s.topk_logprobs) if s.topk else None,
-                decode_from, torch.cat(s.gathered) if s.gather_ids is not None else None))
+                decode_from, torch.cat(s.gathered) if s.gather_ids is not None else None,
+                _full_logprobs(s, self.model.config.vocab_size)))
         return results
 
     def metrics(self, seq_ids: Iterable[int] | None = None) -> RunMetrics:

@@ -1,56 +1,81 @@
-"""The gate's verdict: quality rules on a compare result, speed rules on bench rounds of the base and a variant.
+"""The gate's verdict: quality rules on a compare result, speed rules on a paired speed experiment.
 
 Quality rules use `evalsuite.stats.check_threshold` through compare's own threshold evaluation (a rule
-fails when the 95% CI's unfavourable bound crosses it). Speed rules compare the variant with the base
-on the same workload, measured in the same run (ratios on a shared, noisy machine), one ratio per round
-(base and variant alternate, so slow drifts of the machine hit both):
-- min_tpot_speedup: TPOT(base) / TPOT(variant) >= threshold;
-- min_throughput_speedup: output tokens/s (variant) / (base) >= threshold;
-- max_memory_ratio: (weights + KV cache)(variant) / (base) <= threshold;
-- max_weights_ratio: weights(variant) / weights(base) <= threshold (the KV pool left out).
-The value is the median ratio, [low, high] the range over rounds. Result: pass when every round meets the
-threshold; warn when the median does but some round does not (too close to call on this machine: it does
-not block, the table says so); fail when the median misses. So a verdict can only flip between reruns when
-the median itself sits at the threshold.
+fails when the 95% CI's unfavourable bound crosses it). Speed rules read `evalsuite.speed_stats`: the
+variant's ratio to the base on one metric, with a 95% bootstrap interval over paired blocks of steps
+(base and variant interleaved in one process, see `tokq.engine.paired_bench`):
+- min_tpot_speedup: mean TPOT base / variant;
+- min_throughput_speedup, min_total_throughput_speedup: output (total) tokens/s variant / base;
+- max_ttft_ratio, max_ttft_p50_ratio, max_ttft_p95_ratio: TTFT (mean, median, p95) variant / base;
+- max_itl_p95_ratio, max_itl_p99_ratio: inter-token latency percentiles variant / base;
+- max_e2el_ratio: mean end-to-end request latency variant / base;
+- max_memory_ratio: (weights + KV cache) variant / base; max_weights_ratio: weights alone;
+  max_kv_ratio: the KV pool alone (exact byte counts: no interval).
+Result: pass when the whole interval meets the threshold, fail when the whole interval misses it,
+inconclusive otherwise (the run could not tell; the rule line says roughly how much longer a run would
+need). A stall-free, quiet machine decides most rules in a minute; a noisy one yields "inconclusive"
+rather than a verdict that flips between reruns.
 """
 
 from __future__ import annotations
 
-import statistics
+from tokq.evalsuite.speed_stats import SpeedAnalysis, decide
 
+# rule -> (label, metric in speed_stats, invert: the rule reads base / variant)
 SPEED_MEASURES = {
-    "min_tpot_speedup": ("TPOT speedup", lambda base, var: base["metrics"]["tpot_mean_s"] / var["metrics"]["tpot_mean_s"]),
-    "min_throughput_speedup": ("throughput speedup",
-                               lambda base, var: var["metrics"]["output_tokens_per_s"] / base["metrics"]["output_tokens_per_s"]),
-    "max_memory_ratio": ("memory ratio", lambda base, var: (var["model_bytes"] + var["kv_cache_bytes"])
-                         / (base["model_bytes"] + base["kv_cache_bytes"])),
-    "max_weights_ratio": ("weights ratio", lambda base, var: var["model_bytes"] / base["model_bytes"]),
+    "min_tpot_speedup": ("TPOT speedup", "mean_tpot_ms", True),
+    "min_throughput_speedup": ("output throughput speedup", "output_throughput", False),
+    "min_total_throughput_speedup": ("total throughput speedup", "total_token_throughput", False),
+    "max_ttft_ratio": ("mean TTFT ratio", "mean_ttft_ms", False),
+    "max_ttft_p50_ratio": ("median TTFT ratio", "median_ttft_ms", False),
+    "max_ttft_p95_ratio": ("p95 TTFT ratio", "p95_ttft_ms", False),
+    "max_itl_p95_ratio": ("p95 ITL ratio", "p95_itl_ms", False),
+    "max_itl_p99_ratio": ("p99 ITL ratio", "p99_itl_ms", False),
+    "max_e2el_ratio": ("mean E2E latency ratio", "mean_e2el_ms", False),
+}
+MEMORY_MEASURES = {
+    "max_memory_ratio": ("memory ratio (weights + KV)", lambda m: m["weights_bytes"] + m["kv_cache_bytes"]),
+    "max_weights_ratio": ("weights ratio", lambda m: m["weights_bytes"]),
+    "max_kv_ratio": ("KV cache ratio", lambda m: m["kv_cache_bytes"]),
 }
 
 
-def speed_verdicts(rules, base_rounds: list[dict], variant_rounds: list[dict]) -> list[dict]:
-    """One verdict per speed rule (config.Rule: name, direction, threshold) over paired bench rounds."""
-    if not base_rounds or len(base_rounds) != len(variant_rounds):
-        raise ValueError("speed rules need the same number (>= 1) of base and variant rounds")
+def speed_verdicts(rules, analysis: SpeedAnalysis, memory: dict[str, dict]) -> list[dict]:
+    """One verdict per speed rule (config.Rule: name, direction, threshold).
+
+    `memory`: per side ("base", "variant") {"weights_bytes", "kv_cache_bytes"}."""
     out = []
     for rule in rules:
-        label, measure = SPEED_MEASURES[rule.name]
-        ratios = [measure(b, v) for b, v in zip(base_rounds, variant_rounds, strict=True)]
-        value = statistics.median(ratios)
-
-        def meets(x: float, rule=rule) -> bool:
-            return x >= rule.threshold if rule.direction == "min" else x <= rule.threshold
-
-        result = "pass" if all(meets(r) for r in ratios) else ("warn" if meets(value) else "fail")
-        sign = (">=" if meets(value) else "<") if rule.direction == "min" else ("<=" if meets(value) else ">")
-        note = {"pass": "", "warn": f" (but {sum(not meets(r) for r in ratios)} of {len(ratios)} rounds miss: "
-                                    "too close to call here)", "fail": ""}[result]
-        out.append({"kind": "speed", "name": rule.name, "metric": label, "bucket": None, "threshold": rule.threshold,
-                    "value": value, "low": min(ratios), "high": max(ratios), "rounds": ratios,
-                    "result": result, "passed": result != "fail",
-                    "rule": f"{label} {value:.3f} (median of {len(ratios)}) {sign} {rule.direction} "
-                            f"{rule.threshold}{note}"})
+        if rule.name in MEMORY_MEASURES:
+            label, measure = MEMORY_MEASURES[rule.name]
+            value = measure(memory["variant"]) / measure(memory["base"])
+            ok = value <= rule.threshold if rule.direction == "max" else value >= rule.threshold
+            result = "pass" if ok else "fail"
+            sign = ("<=" if ok else ">") if rule.direction == "max" else (">=" if ok else "<")
+            out.append(_row(rule, label, value, None, None, result,
+                            f"{label} {value:.3f} (exact byte counts) {sign} {rule.direction} {rule.threshold}"))
+            continue
+        label, metric, invert = SPEED_MEASURES[rule.name]
+        est = analysis.ratios.get(metric)
+        if est is None:
+            out.append(_row(rule, label, None, None, None, "inconclusive",
+                            f"{label}: the workload produced no {metric} measurement"))
+            continue
+        value, low, high = (1 / est.ratio, 1 / est.high, 1 / est.low) if invert else (est.ratio, est.low, est.high)
+        verdict = decide(value, low, high, rule.threshold, rule.direction)
+        text = (f"{label} {value:.3f} [{low:.3f}, {high:.3f}] vs {rule.direction} {rule.threshold}: "
+                f"{verdict.text} ({analysis.passes} passes, {est.units} block segments)")
+        row = _row(rule, label, value, low, high, verdict.result, text)
+        row["metric_name"] = metric
+        row["more_time_factor"] = verdict.more_time_factor
+        out.append(row)
     return out
+
+
+def _row(rule, label: str, value, low, high, result: str, text: str) -> dict:
+    return {"kind": "speed", "name": rule.name, "metric": label, "bucket": None, "threshold": rule.threshold,
+            "direction": rule.direction, "value": value, "low": low, "high": high, "result": result,
+            "passed": result == "pass", "rule": text}
 
 
 def quality_thresholds(rules) -> dict[str, dict[str | None, float]]:
@@ -59,3 +84,10 @@ def quality_thresholds(rules) -> dict[str, dict[str | None, float]]:
     for rule in rules:
         out.setdefault(rule.name, {})[rule.bucket] = rule.threshold
     return out
+
+
+def overall_result(results: list[str]) -> str:
+    """fail if any rule failed; else inconclusive if any could not be decided; else pass."""
+    if "fail" in results:
+        return "fail"
+    return "inconclusive" if "inconclusive" in results else "pass"

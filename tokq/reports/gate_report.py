@@ -29,25 +29,87 @@ def _result(r: dict) -> str:
     return r.get("result") or ("pass" if r["passed"] else "fail")
 
 
-def _median_round(rows: list[dict]) -> dict:
-    """The round with the median TPOT: the speed table's representative row (every round is in report.json)."""
-    ordered = sorted(rows, key=lambda row: row["metrics"]["tpot_mean_s"])
-    return ordered[(len(ordered) - 1) // 2]
+RESULT_ORDER = {"fail": 0, "inconclusive": 1, "pass": 2}
+SHOWN = {"pass": "pass", "inconclusive": "**INCONCLUSIVE**", "fail": "**FAIL**"}
+# the speed table: (label, metric in speed_stats, format)
+SPEED_COLUMNS = [("mean TTFT ms", "mean_ttft_ms", "{:.1f}"), ("median TTFT ms", "median_ttft_ms", "{:.1f}"),
+                 ("mean TPOT ms", "mean_tpot_ms", "{:.2f}"), ("p99 ITL ms", "p99_itl_ms", "{:.2f}"),
+                 ("mean E2EL ms", "mean_e2el_ms", "{:.0f}"), ("output tok/s", "output_throughput", "{:.1f}")]
+
+
+def ordered_rules(report: dict) -> list[tuple[str, dict]]:
+    """(variant, rule) pairs: failing first, then inconclusive, then passing (what a reviewer reads first)."""
+    rows = [(name, r) for name, v in report["variants"].items() for r in v["rules"]]
+    return sorted(rows, key=lambda row: RESULT_ORDER[_result(row[1])])
+
+
+def _verdict(report: dict) -> str:
+    return (report.get("result") or ("pass" if report["passed"] else "fail")).upper()
+
+
+def _context_lines(report: dict) -> list[str]:
+    """Commit, hardware, threads, and the base's true source (zoo bases are dequantized GGUF files)."""
+    ctx = report.get("context", {})
+    runtime = report.get("runtime", {})
+    lines = [f"Base `{report['base']}`, data set `{report['data']}`; commit `{ctx.get('commit') or 'unknown'}`; "
+             f"{runtime.get('hardware') or runtime.get('machine', '?')}, {runtime.get('device', '?')}, "
+             f"{runtime.get('threads', '?')} threads; tokq {report.get('tokq_version', '?')}."]
+    if ctx.get("base_source"):
+        lines.append(f"The base is not a true 16-bit model: {ctx['base_source']}. Its numbers are a baseline for "
+                     "this comparison, not a 16-bit reference.")
+    return lines
+
+
+def _speed_markdown(report: dict) -> list[str]:
+    benches = {name: v["bench"] for name, v in report["variants"].items() if v.get("bench")}
+    if not benches:
+        return []
+    lines = ["", "### Speed", "", "| variant | side | " + " | ".join(c[0] for c in SPEED_COLUMNS)
+             + " | weights MiB | stalls |", "|---" * (len(SPEED_COLUMNS) + 4) + "|"]
+    for name, bench in benches.items():
+        for side in ("base", "variant"):
+            m = bench[side]["metrics"]
+            cells = [fmt.format(m[key]) if m.get(key) is not None else "-" for _, key, fmt in SPEED_COLUMNS]
+            lines.append(f"| {name} | {'base' if side == 'base' else name} | " + " | ".join(cells)
+                         + f" | {bench[side]['memory']['weights_bytes'] / 2**20:.0f} | {bench[side]['stalls']} |")
+    for name, bench in benches.items():
+        load = bench.get("machine_load") or {}
+        lines.append(f"\n{name}: {bench['passes']} paired passes in {bench['seconds']:.0f} s "
+                     f"(budget {bench['max_seconds']:g} s, blocks of {bench['block_steps']} steps); load average "
+                     f"{load.get('load_average_start')} → {load.get('load_average_end')}, steal "
+                     f"{load.get('steal_fraction')}.")
+        for warning in bench["analysis"].get("warnings", []):
+            lines.append(f"\n{name}: warning: {warning}")
+    return lines
+
+
+def _documents_markdown(report: dict) -> list[str]:
+    lines = ["", "### Per document (prefill path)", "", "| variant | document | tokens | KL | top-1 | ΔNLL |",
+             "|---|---|---|---|---|---|"]
+    for name, v in report["variants"].items():
+        for d in v["compare"]["prefill"]["documents"]:
+            if not d.get("tokens"):
+                continue
+            lines.append(f"| {name} | {d['doc_id']} | {d['tokens']} | {_num(d.get('kl'))} | {_num(d.get('top1'))} | "
+                         f"{_num(d.get('delta_nll'))} |")
+    return lines
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
 
 
 def gate_markdown(report: dict) -> str:
-    verdict = "PASS" if report["passed"] else "FAIL"
-    lines = [f"# tokq gate: **{verdict}**", "", f"Base `{report['base']}`, data set `{report['data']}`.", "",
-             "| variant | rule | bucket | measured [95% CI; speed: range over rounds] | threshold | result |", "|---|---|---|---|---|---|"]
-    for name, v in report["variants"].items():
-        for r in v["rules"]:
-            shown = {"pass": "pass", "warn": "warn", "fail": "**FAIL**"}[_result(r)]
-            lines.append(f"| {name} | {r['name']} | {r.get('bucket') or 'overall'} | {_value(r)} | {r['threshold']} | "
-                         f"{shown} |")
-    notes = [f"- {name}: {_result(r)} — {r['rule']}" for name, v in report["variants"].items() for r in v["rules"]
-             if _result(r) != "pass"]
+    lines = [f"# tokq gate: **{_verdict(report)}**", "", *_context_lines(report), ""]
+    lines += ["| variant | rule | bucket | measured [95% CI] | threshold | result |", "|---|---|---|---|---|---|"]
+    for name, r in ordered_rules(report):
+        lines.append(f"| {name} | {r['name']} | {r.get('bucket') or 'overall'} | {_value(r)} | {r['threshold']} | "
+                     f"{SHOWN[_result(r)]} |")
+    notes = [f"- {name}: {_result(r)} — {r['rule']}" for name, r in ordered_rules(report) if _result(r) != "pass"]
     if notes:
         lines += ["", *notes]
+    lines += _speed_markdown(report)
+    lines += _documents_markdown(report)
     for name, v in report["variants"].items():
         lines += ["", "<details><summary>" + html.escape(name) + ": quality details</summary>", "",
                   compare_markdown(v["compare"]), "</details>"]
@@ -57,21 +119,23 @@ def gate_markdown(report: dict) -> str:
 def gate_html(report: dict) -> str:
     variants = report["variants"]
     results = {name: v["compare"] for name, v in variants.items()}
-    verdict = '<span class="pass">PASS</span>' if report["passed"] else '<span class="fail">FAIL</span>'
+    verdict = _verdict(report)
+    css = {"PASS": "pass", "FAIL": "fail", "INCONCLUSIVE": "inconclusive"}[verdict]
     parts = [f"<!doctype html><html><head><meta charset=utf-8><title>tokq gate</title><style>{STYLE}</style>"
-             f"</head><body><h1>tokq gate: {verdict}</h1>",
-             f"<p>Base <code>{html.escape(report['base'])}</code>, data set <code>{html.escape(report['data'])}</code>; "
-             "quality rules fail when the 95% CI's unfavourable bound crosses the threshold.</p>",
-             "<table><tr><th>variant</th><th>rule</th><th>bucket</th><th>measured [95% CI; speed: range over rounds]</th><th>threshold</th>"
+             f"</head><body><h1>tokq gate: <span class={css}>{verdict}</span></h1>",
+             *(f"<p>{html.escape(line).replace('`', '')}</p>" for line in _context_lines(report)),
+             "<p>Quality rules fail when the 95% CI's unfavourable bound crosses the threshold; speed rules pass "
+             "when their whole 95% interval meets it, fail when the whole interval misses it, and are inconclusive "
+             "otherwise.</p>",
+             "<table><tr><th>variant</th><th>rule</th><th>bucket</th><th>measured [95% CI]</th><th>threshold</th>"
              "<th>result</th></tr>"]
-    for name, v in variants.items():
-        for r in v["rules"]:
-            result = _result(r)
-            parts.append(f"<tr><td>{html.escape(name)}</td><td>{r['name']}</td><td>{r.get('bucket') or 'overall'}</td>"
-                         f"<td>{_value(r)}</td><td>{r['threshold']}</td><td class={result}>"
-                         f"{result if result != 'fail' else 'FAIL'}</td></tr>")
+    for name, r in ordered_rules(report):
+        result = _result(r)
+        parts.append(f"<tr><td>{html.escape(name)}</td><td>{r['name']}</td><td>{r.get('bucket') or 'overall'}</td>"
+                     f"<td>{_value(r)}</td><td>{r['threshold']}</td><td class={result}>"
+                     f"{result if result == 'pass' else result.upper()}</td></tr>")
     parts += ["</table>", "<ul>" + "".join(f"<li>{html.escape(name)}: {html.escape(r['rule'])}</li>"
-                                           for name, v in variants.items() for r in v["rules"]) + "</ul>",
+                                           for name, r in ordered_rules(report)) + "</ul>",
               "<h2>Quality by position</h2>",
               f'<img alt="KL by position bucket" src="{plots.metric_by_bucket(results, "kl", "KL(base‖variant)")}">',
               f'<img alt="top-1 by position bucket" src="{plots.metric_by_bucket(results, "top1", "top-1 agreement")}">',
@@ -90,28 +154,29 @@ def gate_html(report: dict) -> str:
 
 
 def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> list[str]:
-    """The speed table (each side's median-TPOT round), the speedups over rounds and the TBT distributions."""
-    parts = ["<h2>Speed</h2><p>Base and variant alternate on the same workload; the table shows each side's "
-             "median-TPOT round, the plot every round's ratio.</p><table><tr><th>variant</th><th>model</th>"
-             "<th>TTFT ms</th><th>TPOT ms</th><th>TBT p95 ms</th><th>out tok/s</th><th>weights+KV MiB</th>"
-             "<th>roofline</th><th>kernels</th></tr>"]
-    tbts: dict[str, list[float]] = {}
+    """The speed table (each side's metrics over the paired experiment), the ratios with their intervals against
+    the thresholds, and the decode step-time distributions."""
+    parts = ["<h2>Speed</h2><p>Base and variant play the same workload in one process, interleaved by blocks of "
+             "steps; each side's metrics come from its own clock, stalls excluded (counted below).</p><table><tr>"
+             "<th>variant</th><th>side</th>" + "".join(f"<th>{c[0]}</th>" for c in SPEED_COLUMNS)
+             + "<th>weights MiB</th><th>stalls</th><th>roofline</th><th>kernels</th></tr>"]
+    steps: dict[str, list[float]] = {}
     for name, bench in benches.items():
         for side in ("base", "variant"):
-            row = _median_round(bench[side])
+            row = bench[side]
             m = row["metrics"]
             label = "base" if side == "base" else name
-            tbts.setdefault(label, [t * 1e3 for r in bench[side] for t in r["metrics"].get("tbt_samples_s", [])])
+            steps.setdefault(label, bench["analysis"].get("decode_step_ms", {}).get(side, []))
             kernels = ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"])
             roof = row.get("roofline_fraction")
-            parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(label)}</td>"
-                         f"<td>{m['ttft_mean_s'] * 1e3:.1f}</td><td>{m['tpot_mean_s'] * 1e3:.2f}</td>"
-                         f"<td>{m['tbt_p95_s'] * 1e3:.2f}</td><td>{m['output_tokens_per_s']:.1f}</td>"
-                         f"<td>{(row['model_bytes'] + row['kv_cache_bytes']) / 2**20:.0f}</td>"
+            cells = "".join(f"<td>{fmt.format(m[key]) if m.get(key) is not None else '-'}</td>"
+                            for _, key, fmt in SPEED_COLUMNS)
+            parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(label)}</td>{cells}"
+                         f"<td>{row['memory']['weights_bytes'] / 2**20:.0f}</td><td>{row['stalls']}</td>"
                          f"<td>{'-' if roof is None else f'{roof:.0%}'}</td><td>{html.escape(kernels)}</td></tr>")
     speed_rules = {name: [r for r in variants[name]["rules"] if r["kind"] == "speed"] for name in benches}
     parts += ["</table>", f'<img alt="speed ratios" src="{plots.speed_ratios(speed_rules)}">',
-              f'<img alt="TBT distribution" src="{plots.tbt_distribution(tbts)}">']
+              f'<img alt="decode step times" src="{plots.tbt_distribution(steps)}">']
     return parts
 
 

@@ -69,7 +69,7 @@ def probe_grid(probes: dict, side: str, title: str | None = None) -> str:
 
 
 def tbt_distribution(tbts_ms: dict[str, list[float]]) -> str:
-    """Time between tokens (ms), one histogram per variant/mode."""
+    """Time between tokens or decode step times (ms), one histogram per variant/mode."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for name, values in tbts_ms.items():
         if values:
@@ -81,17 +81,18 @@ def tbt_distribution(tbts_ms: dict[str, list[float]]) -> str:
 
 
 def speed_ratios(rules_by_variant: dict[str, list[dict]]) -> str:
-    """Each speed rule's per-round ratio (dots) and median (bar) per variant, with its threshold."""
+    """Each speed rule's ratio (dot) with its 95% interval (line) per variant, and its threshold (black tick)."""
     entries = [(name, r) for name, rules in rules_by_variant.items() for r in rules]
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.5 * max(1, len(entries))))
     for y, (_, r) in enumerate(entries):
-        color = {"pass": "tab:green", "warn": "tab:olive", "fail": "tab:red"}[r["result"]]
-        ax.barh(y, r["value"], color=color, alpha=0.45)
-        ax.plot(r.get("rounds") or [r["value"]], [y] * len(r.get("rounds") or [1]), "o", color="black", ms=3)
+        color = {"pass": "tab:green", "inconclusive": "tab:olive", "fail": "tab:red"}[r["result"]]
+        if r.get("low") is not None:
+            ax.plot([r["low"], r["high"]], [y, y], color=color, lw=3, alpha=0.6)
+        ax.plot([r["value"]], [y], "o", color=color, ms=6)
         ax.plot([r["threshold"]] * 2, [y - 0.4, y + 0.4], color="black", lw=2)
     ax.set_yticks(range(len(entries)), [f"{name}: {r['metric']}" for name, r in entries])
     ax.axvline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("variant vs base (bar: median of rounds, dots: rounds, black tick: threshold)")
+    ax.set_xlabel("variant vs base (dot: estimate, line: 95% interval, black tick: threshold)")
     ax.invert_yaxis()
     ax.grid(alpha=0.3, axis="x")
     return _data_uri(fig)
