@@ -48,7 +48,7 @@ def main() -> None:
                 sys.exit(f"run {i}: tokq gate exit {proc.returncode}\n{proc.stderr[-2000:]}")
             report = json.loads((out / "report.json").read_text())
             rules = [{"variant": name, **{k: r.get(k) for k in ("kind", "name", "bucket", "value", "low", "high",
-                                                                 "result", "rounds")}}
+                                                                 "result")}}
                      for name, v in report["variants"].items() for r in v["rules"]]
             runs.append({"exit_code": proc.returncode, "wall_s": wall, "rules": rules})
             print(f"run {i}: exit {proc.returncode} in {wall:.0f} s: " + ", ".join(

@@ -42,7 +42,7 @@ probe_max_context = 256
 prompt_len = 32
 gen_len = 8
 concurrency = 2
-rounds = 1
+max_seconds = 2
 
 [gate.quality]
 max_kl = 0.1

@@ -1,15 +1,16 @@
-"""`tokq gate`: compare and bench each variant against the base as tokq.toml says; one verdict; exit 0/1/2.
+"""`tokq gate`: compare and bench each variant against the base as tokq.toml says; one verdict; exit 0/1/2/3/4.
 
 For each variant (all of [variants], or --variant NAME): build it with `tokq quantize` when its checkpoint
 is missing and it has a recipe; `tokq compare` it with the base on the data set (quality rules from
-[gate.quality], baseline cache reused); bench base and variant on the [bench] workload, alternating for
-[bench] rounds (speed rules from [gate.speed], see evalsuite.gate_rules). The verdict table lists every
-rule with its measured value (CI or range over rounds), threshold and result; reports go to --out
-(report.json, report.md, report.html, junit.xml, written atomically; a previous report there is removed
-when the gate starts, so an interrupted gate leaves none that looks complete), and the Markdown is
-appended to $GITHUB_STEP_SUMMARY when set. Deterministic: seeded windows, bootstrap and probes give the
-same quality numbers on every rerun; speed is re-measured, and its verdict flips only when the median
-ratio sits at the threshold.
+[gate.quality], baseline cache reused); then one paired speed experiment on the [bench] workload: base and
+variant interleaved by blocks of steps in one process for [bench] max_seconds (engine.paired_bench), ratios
+with bootstrap intervals (evalsuite.speed_stats), speed rules from [gate.speed] (evalsuite.gate_rules). The
+verdict table lists failing rules first, then inconclusive ones, each with its measured value, 95% interval
+and threshold; reports go to --out (report.json, report.md, report.html, junit.xml, written atomically; a
+previous report there is removed when the gate starts, so an interrupted gate leaves none that looks
+complete), and the Markdown is appended to $GITHUB_STEP_SUMMARY when set. Quality numbers are seeded and
+identical on every rerun; speed is re-measured, and a rule the run cannot decide is "inconclusive" (exit 3),
+never a pass.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def _checkpoint(project, name: str, threads: int | None) -> Path:
         raise _foreign_checkpoint(project, name, target)
     if recorded == wanted:
         console.print(escape(f"variant {name}: {target} follows its recipe (sha256 {wanted[:12]}); reusing it"),
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
         return target
     args = ["quantize", "--model", str(base), "--out", str(target), "--recipe-sha256", wanted]
     options = recipe_options()
@@ -223,7 +224,7 @@ def _checkpoint(project, name: str, threads: int | None) -> Path:
         args.append("--force")  # save_quantized replaces the old checkpoint only once the new one is complete
         console.print(escape(f"variant {name}: the recipe or the base changed since {target} was built (recipe "
                              f"sha256 {recorded[:12]} -> {wanted[:12]}); rebuilding it (the old checkpoint stays "
-                             "until the new one is complete)"), highlight=False)
+                             "until the new one is complete)"), highlight=False, soft_wrap=True)
     console.print(escape(f"building variant {name}: tokq {' '.join(args)}"), highlight=False)
     code = main(args)
     if code in (EXIT_INTERNAL, EXIT_INTERRUPTED):  # a bug or a cancel, already reported: not the recipe's fault
