@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tokq.cli import main
@@ -73,3 +75,108 @@ def test_ci_examples_run_the_gate():
     gitlab = yaml.safe_load((root / "gitlab-ci.yml").read_text())["tokq-gate"]
     assert any(line.startswith("tokq gate") for line in gitlab["script"])
     assert gitlab["artifacts"]["reports"]["junit"] == "tokq_gate/junit.xml"
+
+
+def _line(text: str, marker: str) -> int:
+    (number,) = [i for i, raw in enumerate(text.splitlines(), 1) if marker in raw]
+    return number
+
+
+INT4 = 'int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme = "w4a16", group_size = 64 } }'
+
+
+@pytest.mark.parametrize("edit,marker,message", [
+    # nan and inf thresholds: a nan compares false both ways, so it would pass or fail nothing
+    (lambda s: s.replace("max_kl = 0.05", "max_kl = nan"), "max_kl = nan",
+     "[gate.quality] max_kl = nan must be a finite number"),
+    (lambda s: s.replace("min_top1 = 0.85", 'min_top1 = { overall = 0.85, "4K-8K" = -inf }'), "min_top1 = {",
+     "[gate.quality] min_top1 = -inf must be a finite number"),
+    (lambda s: s.replace("min_tpot_speedup = 1.2", "min_tpot_speedup = inf"), "min_tpot_speedup = inf",
+     "[gate.speed] min_tpot_speedup = inf must be a finite number"),
+    (lambda s: s + "\n[compare.thresholds]\nmax_ppl_ratio = nan\n", "max_ppl_ratio = nan",
+     "[compare.thresholds] max_ppl_ratio = nan must be a finite number"),
+    # unknown keys
+    (lambda s: s.replace(INT4, 'int4 = { path = "q", method = "awq" }'), "int4 = {",
+     "[variants] int4 has an unknown key 'method': a variant takes path and recipe"),
+    (lambda s: s.replace("group_size = 64 }", "groupsize = 64 }"), "int4 = {",
+     "[variants] int4 recipe key 'groupsize' is not a `tokq quantize` option a recipe can set; known: act_order"),
+    (lambda s: s.replace("group_size = 64 }", 'out = "elsewhere" }'), "int4 = {",
+     "[variants] int4 recipe key 'out' is not a `tokq quantize` option"),  # the gate sets --out itself
+    (lambda s: s.replace("group_size = 64 }", 'group_size = "64" }'), "int4 = {",
+     "[variants] int4 recipe group_size = '64' must be an integer (as `tokq quantize --group-size` takes it)"),
+    (lambda s: s.replace("group_size = 64 }", 'sym = "no" }'), "int4 = {",
+     "[variants] int4 recipe sym = 'no' must be true or false"),
+    (lambda s: s.replace('method = "awq"', 'method = "awk"'), "int4 = {",
+     "[variants] int4 recipe method = 'awk' is not a method; choose one of rtn, awq"),
+    (lambda s: s + "\n[compare]\nthreshold = 0.1\n", "threshold = 0.1",
+     "[compare] threshold is not a known key; known: thresholds"),
+    (lambda s: s + "\n[compare.thresholds]\nmax_kll = 0.1\n", "max_kll = 0.1",
+     "[compare.thresholds] max_kll is not a known key; known: max_flip_rate"),
+    (lambda s: s.replace("max_kl = 0.05", 'max_kl = { overall = 0.05, "4k-8k" = 0.1 }'), "max_kl = {",
+     "[gate.quality] max_kl names bucket '4k-8k', which is not a position bucket; use overall or one of 0-511, "
+     "512-1K"),
+    (lambda s: s + '\n[compare.thresholds]\nmin_top1 = { "middle" = 0.9 }\n', '"middle"',
+     "[compare.thresholds] min_top1 names bucket 'middle'"),
+    (lambda s: s.replace('dtype = "auto"', 'dtype = "auto"\nrevision = "main"'), 'revision = "main"',
+     "[base] revision is not a known key; known: dtype, model"),
+])
+def test_load_time_checks_name_the_line_and_the_fix(tmp_path, edit, marker, message):
+    path = tmp_path / "tokq.toml"
+    text = edit(STARTER)
+    assert text != STARTER
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_project(path)
+    assert info.value.message.startswith(f"{path}:{_line(text, marker)}: {message}"), info.value.message
+
+
+@pytest.mark.parametrize("gate", ["", "[gate.quality]\nci = \"point\"\n[gate.speed]\n", "[gate.speed]\n"])
+def test_a_gate_without_rules_is_refused(tmp_path, gate):
+    path = tmp_path / "tokq.toml"
+    path.write_text(f'[base]\nmodel = "smollm2-135m"\n[compare.thresholds]\nmax_kl = 0.05\n{gate}')
+    with pytest.raises(ConfigError, match=r"holds no rule and neither does \[gate\.(speed|quality)\]: a gate without "
+                                          r"rules would pass any variant; add one, e.g. max_kl = 0.05"):
+        load_project(path)
+    # compare is not a gate: a project without [compare.thresholds] loads once it has one gate rule.
+    path.write_text('[base]\nmodel = "smollm2-135m"\n[compare]\n[gate.speed]\nmax_weights_ratio = 0.5\n')
+    assert [r.name for r in load_project(path).speed] == ["max_weights_ratio"]
+
+
+def test_relative_base_resolves_against_the_file_not_the_working_directory(tmp_path, monkeypatch):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "base").mkdir(parents=True)
+    (elsewhere / "base").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)  # a different ./base here must not be picked
+    path = project / "tokq.toml"
+    for written in ("base", "./base"):
+        path.write_text(f'[base]\nmodel = "{written}"\n[gate.quality]\nmax_kl = 0.05\n')
+        assert load_project(path).base == str(project / "base")
+        assert load_project(Path("..") / "project" / "tokq.toml").base == str(project / "base")
+    path.write_text('[base]\nmodel = "smollm2-135m"\n[gate.quality]\nmax_kl = 0.05\n')
+    assert load_project(path).base == "smollm2-135m"  # a zoo name stays a zoo name
+    path.write_text(f'[base]\nmodel = "{elsewhere / "base"}"\n[gate.quality]\nmax_kl = 0.05\n')
+    assert load_project(path).base == str(elsewhere / "base")
+
+
+@pytest.mark.parametrize("code", [0, 1, 2, 3, 4])
+def test_ci_examples_fail_the_job_on_every_nonzero_exit(tmp_path, code):
+    """The CI examples' gate step, run by a shell with a stand-in `tokq` that exits `code`: the job's status is
+    that code (3, inconclusive, is not a pass), and 3 gets a warning saying to rerun or lengthen the run."""
+    import os
+    import subprocess
+
+    yaml = pytest.importorskip("yaml")
+    root = Path(__file__).resolve().parents[1] / "examples" / "ci"
+    github = yaml.safe_load((root / "github-actions.yml").read_text())
+    (step,) = [s["run"] for s in github["jobs"]["gate"]["steps"] if s.get("run", "").startswith("tokq gate")]
+    gitlab = yaml.safe_load((root / "gitlab-ci.yml").read_text())["tokq-gate"]["script"]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "tokq").write_text(f"#!/bin/sh\nexit {code}\n")
+    (fake / "tokq").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    # GitHub runs `bash -e`; GitLab runs the script lines in one shell with errexit.
+    for shell, script in ((["bash", "-e", "-c"], step), (["sh", "-e", "-c"], "\n".join(gitlab[1:]))):
+        done = subprocess.run([*shell, script], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == code, (script, done.stderr)
+        assert ("inconclusive (exit 3): rerun the job or lengthen the run" in done.stdout) == (code == 3)

@@ -1,13 +1,21 @@
-"""The `tokq` command line. Every command: --help, --json PATH, --threads, --device, --seed.
+"""The `tokq` command line. Every command: --help, --json PATH, --threads, --device, --seed; `tokq --debug`.
 
-Exit codes: 0 ok, 1 a check failed (a regression), 2 bad usage or input. Errors the user can fix
-print one line, `error: <what and how to fix>`, with no traceback.
+Exit codes (tokq.errors): 0 ok, 1 a check failed (a regression), 2 bad usage or input, 3 inconclusive (the
+data could not decide: rerun or lengthen the run, never a pass), 4 internal error, 130 interrupted. Errors
+the user can fix print one line, `error: <what and how to fix>`, with no traceback. Any other exception is
+a bug in tokq: one line, `error: internal error (<type>: <message>); the traceback is in <log file>` (under
+$TOKQ_HOME/logs/), exit 4; `tokq --debug ...` or TOKQ_DEBUG=1 prints the traceback too.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -26,7 +34,8 @@ from tokq.commands.models import models_app
 from tokq.commands.quantize import quantize_cmd
 from tokq.commands.report import report_cmd
 from tokq.commands.score import score_cmd
-from tokq.errors import EXIT_BAD_INPUT, TokqError
+from tokq.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TokqError
+from tokq.paths import tokq_home
 
 app = typer.Typer(
     name="tokq",
@@ -48,6 +57,22 @@ app.command("report")(report_cmd)
 app.command("gate")(gate_cmd)
 
 
+@dataclass
+class _Session:
+    debug: bool = False  # set by `tokq --debug`; kept across the nested main() a gate runs to build a variant
+
+
+_session = _Session()
+
+
+@app.callback()
+def _global_options(
+    debug: bool = typer.Option(False, "--debug", help="On an internal error (exit 4) print the traceback too, not "
+                                                      "only to the log file (also TOKQ_DEBUG=1)."),
+) -> None:
+    _session.debug = _session.debug or debug
+
+
 @app.command("version")
 def version_cmd() -> None:
     """Print tokq's version."""
@@ -57,6 +82,7 @@ def version_cmd() -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=Console(stderr=True), show_time=False, show_path=False)])
+    outer_debug = _session.debug
     try:
         # Without standalone mode typer turns Ctrl-C into a returned exit code (130) instead of raising.
         code = app(args=argv, prog_name="tokq", standalone_mode=False)
@@ -78,8 +104,42 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()
             return EXIT_BAD_INPUT
-        raise
+        return _internal_error(exc, argv)
+    finally:
+        _session.debug = outer_debug
     return 0
+
+
+def _internal_error(exc: Exception, argv: list[str] | None) -> int:
+    """A bug, not bad input: one line naming the exception and the log file that holds its traceback; exit 4."""
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    log_file = _write_crash_log(trace, sys.argv[1:] if argv is None else argv)
+    if _session.debug or os.environ.get("TOKQ_DEBUG", "") not in ("", "0"):
+        sys.stderr.write(trace)
+    where = (f"the traceback is in {log_file}" if log_file else
+             "the traceback could not be written under $TOKQ_HOME/logs/; rerun with --debug to print it")
+    print(f"error: internal error ({type(exc).__name__}: {' '.join(str(exc).split())}); {where}", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
+def _write_crash_log(trace: str, argv: list[str]) -> Path | None:
+    """$TOKQ_HOME/logs/tokq-<time>-<pid>.log with the command, versions and traceback; None if it cannot be written."""
+    folder = tokq_home() / "logs"
+    stem = f"tokq-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 100):  # two crashes in one second of one process keep both logs
+            path = folder / (stem + (f"-{n}" if n > 1 else "") + ".log")
+            try:
+                with open(path, "x", encoding="utf-8") as f:
+                    f.write(f"tokq {__version__}, python {sys.version.split()[0]}, {sys.platform}\n"
+                            f"command: tokq {' '.join(argv)}\n\n{trace}")
+                return path
+            except FileExistsError:
+                continue
+    except OSError:
+        pass
+    return None
 
 
 def run() -> None:

@@ -248,14 +248,15 @@ def list_models() -> list[dict]:
     return rows
 
 
-def resolve_model(name_or_path: str, pull: bool = True) -> Path:
+def resolve_model(name_or_path: str, pull: bool = True, *, variants: bool = True) -> Path:
     """A checkpoint directory for a variant name from tokq.toml, a zoo name, or a path.
 
-    Variants are looked up first (tokq.toml in the working directory), then the zoo, then the path.
+    Variants are looked up first (tokq.toml in the working directory; `variants=False` skips them, as
+    tokq.toml's own [base] does), then the zoo, then the path.
     """
     from tokq.project import find_variant
 
-    variant = find_variant(name_or_path)
+    variant = find_variant(name_or_path) if variants else None
     if variant is not None:
         return variant
     if name_or_path in ZOO:

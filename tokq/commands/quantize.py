@@ -4,12 +4,21 @@ Order of work: every cheap check first (method/scheme fit, group size against th
 sizes, output directory, calibration folder), then load the model, draw calibration windows,
 quantize block by block with progress, write the checkpoint atomically (an interrupted run
 leaves no directory that looks complete) and optionally record it as a tokq.toml variant.
+
+`tokq gate` builds a variant from its tokq.toml recipe by calling this command: `recipe_options` maps recipe
+keys to these options (read from the signature, so the two cannot drift apart), and the hidden
+`--recipe-sha256` records the recipe's hash in tokq_quantization.json, written with the checkpoint.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import time
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import Any, get_type_hints
 
 import typer
 from rich.console import Console
@@ -86,6 +95,8 @@ def quantize_cmd(
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]: where blocks are quantized."),
     seed: int = typer.Option(0, "--seed", help="Seed for drawing calibration windows (recorded)."),
+    recipe_sha256: str = typer.Option(None, "--recipe-sha256", hidden=True,
+                                      help="tokq gate: the hash of the recipe this build follows (recorded)."),
 ) -> None:
     """Quantize MODEL with METHOD and write a checkpoint that tokq, vLLM and HF transformers load."""
     from tokq.engine.checkpoint import load_model, parse_dtype
@@ -107,6 +118,8 @@ def quantize_cmd(
     if act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
     alpha_given, alpha_value = _parse_alpha(alpha, method)
+    if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
+        raise ConfigError(f"--recipe-sha256 {recipe_sha256!r} is not a sha256 (64 lowercase hex digits)")
     if out.exists() and not force:
         raise ConfigError(f"{out} already exists; choose another --out or pass --force to replace it")
     runtime = setup_runtime(threads, device, seed)
@@ -155,6 +168,8 @@ def quantize_cmd(
     started_save = time.perf_counter()
     provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
                   "result": result.to_json(), "runtime": runtime.to_json()}
+    if recipe_sha256 is not None:
+        provenance["recipe_sha256"] = recipe_sha256  # in tokq_quantization.json, inside the atomic write
     save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
     save_seconds = time.perf_counter() - started_save
     disk = _dir_bytes(out)
@@ -175,7 +190,8 @@ def quantize_cmd(
     table.add_row("size on disk", f"{_mib(disk)} ({disk / dense_bytes:.2f}x the 16-bit model's {_mib(dense_bytes)})")
     Console().print(table)
     if name:
-        toml = record_variant(name, out, {"method": method, "scheme": resolved.name, "model": model})
+        # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
+        toml = record_variant(name, out, {})
         console.print(f"recorded variant [bold]{name}[/] in {toml}: `tokq score {name}` now uses {out}")
     if json_path:
         write_json(json_path, {
@@ -183,3 +199,50 @@ def quantize_cmd(
             "out": str(out), "variant": name, "size_bytes": disk, "dense_16bit_bytes": dense_bytes,
             "write_seconds": save_seconds, "peak_gpu_bytes": peak_gpu, **provenance,
         })
+
+
+# Options a recipe cannot set: the gate sets them (model, out, force, threads, the recipe hash), or they would
+# write somewhere else (name edits tokq.toml, json writes a run record).
+_GATE_SETS = {"model", "out", "force", "threads", "recipe_sha256", "name", "json_path"}
+
+
+@dataclass(frozen=True)
+class RecipeOption:
+    """One `tokq quantize` option as a tokq.toml recipe key: group_size = 64 -> --group-size 64."""
+
+    key: str
+    flag: str
+    off_flag: str | None  # booleans: the flag that turns it off (--asym, --no-act-order)
+    kind: type  # bool, int, float or str
+
+    def accepts(self, value: Any) -> bool:
+        if self.kind is bool or isinstance(value, bool):
+            return self.kind is bool and isinstance(value, bool)
+        if self.kind is int:
+            return isinstance(value, int)
+        if self.kind is float:
+            return isinstance(value, (int, float))
+        return isinstance(value, (str, int, float)) and str(value) != ""
+
+    def describe(self) -> str:
+        return {bool: "true or false", int: "an integer", float: "a number"}.get(self.kind, "a string")
+
+    def args(self, value: Any) -> list[str]:
+        if self.off_flag is not None:
+            return [self.flag if value else self.off_flag]
+        return [self.flag, str(value)]
+
+
+@cache
+def recipe_options() -> dict[str, RecipeOption]:
+    """Recipe key -> option, read from `quantize_cmd`'s own signature (key: the flag without dashes)."""
+    hints = get_type_hints(quantize_cmd)
+    options = {}
+    for param, spec in inspect.signature(quantize_cmd).parameters.items():
+        if param in _GATE_SETS:
+            continue
+        flag, _, off_flag = spec.default.param_decls[0].partition("/")
+        key = flag.removeprefix("--").replace("-", "_")
+        kind = hints[param] if hints[param] in (bool, int, float) else str
+        options[key] = RecipeOption(key, flag, off_flag or None, kind)
+    return options

@@ -2,15 +2,19 @@
 
 The model must be loaded in fp32 (or the dtype the method should search in); every quantized
 Linear is swapped for its quantized form, so the same object can be scored right away or written
-out by `quantize.formats`.
+out by `quantize.formats`. `recipe_sha256` identifies a tokq.toml recipe applied to one base model: the gate
+records it in the checkpoint it builds and rebuilds when it changes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import ModuleType
 
 from tokq.engine.models import CausalLM
@@ -151,3 +155,21 @@ def quantize_model(
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return QuantizeResult(method, scheme, options, calibration.to_json() if calibration else None,
                           time.perf_counter() - started, peak, stats)
+
+
+def recipe_sha256(recipe: dict, base_sha256: str) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of a tokq.toml recipe table and the content hash of
+    the base model it is applied to: an edited recipe or a changed base gives another hash."""
+    text = json.dumps({"recipe": recipe, "base_sha256": base_sha256}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def recorded_recipe_sha256(checkpoint: Path) -> str | None:
+    """The recipe hash a checkpoint's tokq_quantization.json records; None when it records none (not built by
+    the gate from a recipe) or cannot be read."""
+    try:
+        record = json.loads((Path(checkpoint) / "tokq_quantization.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = record.get("recipe_sha256") if isinstance(record, dict) else None
+    return value if isinstance(value, str) else None
