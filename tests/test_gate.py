@@ -336,3 +336,20 @@ def test_checkpoint_not_built_from_its_recipe_is_refused(project, tmp_path, caps
     assert f"tokq.toml:{line}: [variants] rtn has a recipe, but its checkpoint" in err
     assert "delete the checkpoint so the gate rebuilds it from the recipe, or drop the recipe" in err
     assert sorted(p.name for p in (folder / "built" / "rtn").iterdir()) == before
+
+
+def test_a_bug_while_building_a_variant_exits_4_not_blaming_the_recipe(project, tmp_path, monkeypatch, capsys):
+    from tokq.quantize import api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel bug")
+
+    monkeypatch.setattr(api, "quantize_model", broken)
+    folder = tmp_path / "x"
+    folder.mkdir()
+    code, report = _gate_at(_own_project(project, folder), tmp_path / "report")
+    err = capsys.readouterr().err
+    assert code == 4 and report is None and not (folder / "built" / "rtn").exists()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: internal error (RuntimeError: kernel bug); the traceback")
+    assert "fix the recipe" not in err
