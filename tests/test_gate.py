@@ -353,3 +353,13 @@ def test_a_bug_while_building_a_variant_exits_4_not_blaming_the_recipe(project, 
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: internal error (RuntimeError: kernel bug); the traceback")
     assert "fix the recipe" not in err
+
+
+def test_no_speed_with_only_speed_rules_is_refused(project, tmp_path, capsys):
+    folder = tmp_path / "x"
+    folder.mkdir()
+    path = _own_project(project, folder)
+    path.write_text(path.read_text().replace("[gate.quality]\nmax_kl = 10.0", "[gate.speed]\nmin_tpot_speedup = 1.0"))
+    code, report = _gate_at(path, tmp_path / "report", "--no-speed")
+    assert code == 2 and report is None and not (folder / "built").exists()  # refused before building anything
+    assert "[gate.quality] holds no rule and --no-speed skips [gate.speed]" in capsys.readouterr().err.replace("\n", " ")
