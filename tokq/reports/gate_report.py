@@ -137,8 +137,8 @@ def gate_html(report: dict) -> str:
     parts += ["</table>", "<ul>" + "".join(f"<li>{html.escape(name)}: {html.escape(r['rule'])}</li>"
                                            for name, r in ordered_rules(report)) + "</ul>",
               "<h2>Quality by position</h2>",
-              f'<img alt="KL by position bucket" src="{plots.metric_by_bucket(results, "kl", "KL(base‖variant)")}">',
-              f'<img alt="top-1 by position bucket" src="{plots.metric_by_bucket(results, "top1", "top-1 agreement")}">',
+              f'<img alt="KL by position bucket" src="{_bucket_plot(report, results, "kl", "KL(base‖variant)")}">',
+              f'<img alt="top-1 by position bucket" src="{_bucket_plot(report, results, "top1", "top-1 agreement")}">',
               "<h2>Per document</h2>", f'<img alt="per-document KL" src="{plots.document_distribution(results)}">']
     benches = {name: v["bench"] for name, v in variants.items() if v.get("bench")}
     if benches:
@@ -151,6 +151,13 @@ def gate_html(report: dict) -> str:
                       f'<img alt="probe grid {html.escape(name)}" src="{plots.probe_grid(probes, "b", name)}">']
     parts.append(f"<p class=ci>tokq {html.escape(report['tokq_version'])}</p></body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _bucket_plot(report: dict, results: dict, metric: str, label: str) -> str:
+    """The metric by position bucket with the thresholds of the rules on it (the first variant's, shared by all)."""
+    thresholds = {r.get("bucket"): r["threshold"] for _, r in ordered_rules(report)
+                  if r["kind"] == "quality" and r.get("metric") == metric}
+    return plots.metric_by_bucket(results, metric, label, thresholds=thresholds)
 
 
 def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> list[str]:

@@ -18,9 +18,12 @@ def _data_uri(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: str = "prefill") -> str:
-    """One line per variant: the metric per position bucket with its 95% CI as error bars."""
+def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: str = "prefill",
+                     thresholds: dict[str | None, float] | None = None) -> str:
+    """One line per variant: the metric per position bucket with its 95% CI as error bars; a rule's threshold
+    (overall: a dashed line across; per bucket: a short line over that bucket) in red."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    labels: list[str] = []
     for i, (name, result) in enumerate(results.items()):
         buckets = result[path]["buckets"]
         labels = list(buckets)
@@ -31,6 +34,12 @@ def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: st
         ax.errorbar(xs, values, yerr=[low, high], marker="o", capsize=3, label=name)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_xlim(-0.5, len(labels) - 0.5)  # one bucket would otherwise zoom onto the variants' tiny offsets
+    for bucket, value in (thresholds or {}).items():
+        if bucket is None:
+            ax.axhline(value, color="tab:red", ls="--", lw=1, label="threshold")
+        elif bucket in labels:
+            x = labels.index(bucket)
+            ax.plot([x - 0.3, x + 0.3], [value, value], color="tab:red", lw=2)
     ax.set_xlabel("position in window")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
