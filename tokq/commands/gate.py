@@ -242,7 +242,8 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
     console.print(f"[bold]gate {escape(name)}[/]: quality on {escape(f'[data.{data.name}]')}", highlight=False)
     quality = compare_pair(str(base), str(checkpoint), runtime, data=data.path, window=data.window,
                            stride=data.stride, max_tokens=data.max_tokens, sample_windows=data.sample_windows,
-                           probe_max_context=data.probe_max_context,
+                           probe_max_context=data.probe_max_context, probe_depths=data.probe_depths,
+                           probe_repeats=data.probe_repeats,
                            thresholds=quality_thresholds(project.quality), threshold_on=project.quality_on,
                            dtype=project.dtype, seed=seed)
     quality["a"]["name"], quality["b"]["name"] = project.base, name  # names in reports, never absolute paths
@@ -319,14 +320,18 @@ def ordered_rules(report: dict) -> list[tuple[str, dict]]:
     return sorted(rows, key=lambda row: RESULT_ORDER[row[1]["result"]])
 
 
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
 def _print_verdict(report: dict) -> None:
     table = Table(title=f"tokq gate: {report['result'].upper()}")
     for col in ("variant", "rule", "bucket", "measured [95% CI]", "threshold", "result"):
         table.add_column(col)
     for name, r in ordered_rules(report):
-        value = "-" if r.get("value") is None else f"{r['value']:.4g}"
-        if r.get("low") is not None:
-            value += f" [{r['low']:.4g}, {r['high']:.4g}]"
+        value = _fmt(r.get("value"))
+        if r.get("low") is not None or r.get("high") is not None:
+            value += f" [{_fmt(r.get('low'))}, {_fmt(r.get('high'))}]"
         table.add_row(name, r["name"], r.get("bucket") or "overall", value, str(r["threshold"]),
                       RESULT_STYLE[r["result"]])
     out = Console()

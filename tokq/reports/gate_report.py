@@ -22,7 +22,9 @@ def _value(r: dict) -> str:
     if r.get("value") is None:
         return "-"
     text = f"{r['value']:.4g}"
-    return text + (f" [{r['low']:.4g}, {r['high']:.4g}]" if r.get("low") is not None else "")
+    if r.get("low") is None and r.get("high") is None:
+        return text
+    return text + f" [{_num(r.get('low'))}, {_num(r.get('high'))}]"
 
 
 def _result(r: dict) -> str:
