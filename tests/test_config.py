@@ -22,7 +22,9 @@ def test_init_writes_a_starter_that_parses(tmp_path, capsys):
     assert project.data["default"].window == 2048 and project.bench.concurrency == 16
     assert project.data["default"].path == data_dir() / "default"  # $TOKQ_HOME's default set
     assert {r.name for r in project.quality} == {"max_kl", "min_top1", "max_ppl_ratio", "max_flip_rate"}
-    assert [(r.name, r.direction, r.threshold) for r in project.speed] == [("min_tpot_speedup", "min", 1.2)]
+    assert [(r.name, r.direction, r.threshold) for r in project.speed] == [("min_tpot_speedup", "min", 1.2),
+                                                                           ("max_ttft_p50_ratio", "max", 1.5)]
+    assert project.bench.max_seconds == 60 and project.bench.block_steps == 8
     assert main(["init", "--path", str(path)]) == 2
     assert "already exists" in capsys.readouterr().err
 

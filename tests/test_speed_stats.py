@@ -54,9 +54,9 @@ def test_intervals_cover_the_true_ratio():
             truth = 0.6 if name != "output_throughput" else 1 / 0.6
             hits[name] += est.low <= truth <= est.high
     coverage = {k: v / runs for k, v in hits.items()}
-    # prefill has 5 blocks (one per pass) and decode ~40: percentile intervals from 5 units undercover a little
+    # prefill has 5 units (one block per pass), decode ~40: the t interval keeps even TTFT near 95%
     assert coverage["mean_tpot_ms"] >= 0.9 and coverage["output_throughput"] >= 0.9, coverage
-    assert coverage["mean_e2el_ms"] >= 0.88 and coverage["mean_ttft_ms"] >= 0.8, coverage
+    assert coverage["mean_e2el_ms"] >= 0.9 and coverage["mean_ttft_ms"] >= 0.88, coverage
 
 
 def test_pairing_cancels_a_load_that_drifts():
@@ -105,7 +105,7 @@ def test_speed_verdicts_read_the_interval():
     memory = {"base": {"weights_bytes": 100, "kv_cache_bytes": 60}, "variant": {"weights_bytes": 40,
                                                                                 "kv_cache_bytes": 60}}
     rules = [Rule("min_tpot_speedup", "min", 1.2), Rule("min_tpot_speedup", "min", 3.0),
-             Rule("max_ttft_p50_ratio", "max", 1.0), Rule("max_weights_ratio", "max", 0.5),
+             Rule("max_ttft_ratio", "max", 2.0), Rule("max_weights_ratio", "max", 0.5),
              Rule("max_memory_ratio", "max", 0.5), Rule("max_kv_ratio", "max", 1.0)]
     tpot, impossible, ttft, weights, memory_rule, kv = speed_verdicts(rules, analysis, memory)
     assert tpot["result"] == "pass" and tpot["low"] > 1.2 and tpot["value"] == pytest.approx(1 / 0.6, rel=0.1)

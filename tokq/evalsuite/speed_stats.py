@@ -25,7 +25,14 @@ pair travels together, which is what makes the ratio paired). Mean metrics (mean
 throughput) are weighted means of step times with known coefficients, so each resample reweights the
 blocks' step times (the exact block bootstrap of a linear statistic). Percentiles (p50/p95/p99 of TTFT,
 ITL, E2EL) are weighted quantiles of the observations, each observation drawn with the block of the step
-that ended it. The interval is the percentile interval of the resampled log ratios.
+that ended it. The interval is log ratio ± t(m - 1) · se · sqrt(m / (m - 1)): se the bootstrap standard
+error of the log ratio, m the number of units in the smallest stratum the metric draws on (TTFT often rests
+on one prefill block per pass: few units, so the t quantile and the small-sample factor widen it where a
+percentile interval would not cover). Measured on simulated traces with a known ratio and a drifting load
+(tests/test_speed_stats.py; 200 runs each, 8 passes): coverage of the 95% interval 0.93-0.94 for mean TPOT,
+0.91-0.92 for mean TTFT, 0.97-0.99 for throughput and E2EL (conservative: they mix both strata), 0.94 for
+p99 ITL; with only 3 passes p99 ITL falls to 0.84 (a tail quantile from few blocks), where the percentile
+interval gave 0.79-0.86 for TTFT.
 
 Verdict of a rule "ratio >= t" (or <= t): pass when the whole interval is on the right side of t, fail
 when the whole interval is on the wrong side, otherwise *inconclusive*: the run could not tell, and the
@@ -86,8 +93,8 @@ class SpeedAnalysis:
     warnings: list[str] = field(default_factory=list)
     decode_step_ms: dict[str, list[float]] = field(default_factory=dict)  # cleaned, for the report's histogram
     method: str = ("paired, interleaved blocks of steps; stalls (> {f:g}x the median step of the same shape) "
-                   "replaced by that median; {r} bootstrap resamples of block segments (prefill and decode "
-                   "strata), percentile interval of the log ratio")
+                   "replaced by its pair's prediction; {r} bootstrap resamples of block segments (prefill and "
+                   "decode strata), t interval of the log ratio with the bootstrap standard error")
 
     def to_json(self) -> dict:
         return {"metrics": self.metrics, "ratios": {k: v.to_json() for k, v in self.ratios.items()},
@@ -124,14 +131,17 @@ def analyze(trace: PairedTrace, seed: int = 0, resamples: int = RESAMPLES) -> Sp
         if what == "mean":
             coef = obs[kind]["coef"]
             boot = {s: (step_w @ (coef * flat.seconds[s])) / (step_w @ coef) for s in SIDES}
+            used = np.unique(flat.unit_of[coef > 0])
         else:
             draws = step_w[:, obs[kind]["anchor"]] * obs[kind]["multiplicity"]
             boot = {s: _weighted_quantile(obs[kind]["values"][s], draws, what / 100) for s in SIDES}
-        ratios[name] = _ratio(name, metrics, boot["variant"] / boot["base"], len(flat.unit_phase))
+            used = np.unique(flat.unit_of[obs[kind]["anchor"]])
+        ratios[name] = _ratio(name, metrics, boot["variant"] / boot["base"], _units(flat, used))
     # throughputs: the same tokens on both sides, so every throughput ratio is busy time base / variant
     busy = {s: step_w @ flat.seconds[s] for s in SIDES}
     for name in THROUGHPUT_METRICS:
-        ratios[name] = _ratio(name, metrics, busy["base"] / busy["variant"], len(flat.unit_phase))
+        ratios[name] = _ratio(name, metrics, busy["base"] / busy["variant"],
+                              _units(flat, np.arange(len(flat.unit_phase))))
     warnings = []
     n_base, n_var = len(stalls["base"]), len(stalls["variant"])
     if n_var >= n_base + VARIANT_STALL_WARNING and n_var >= 2 * max(n_base, 1):
@@ -143,15 +153,28 @@ def analyze(trace: PairedTrace, seed: int = 0, resamples: int = RESAMPLES) -> Sp
                          step_ms)
 
 
-def _ratio(name: str, metrics: dict, boot: np.ndarray, units: int) -> RatioEstimate:
+def _units(flat: _Flat, used: np.ndarray) -> tuple[int, int]:
+    """(units the metric draws on, units of its smallest stratum)."""
+    per = [int((flat.unit_phase[used] == phase).sum()) for phase in (0, 1)]
+    return len(used), min(m for m in per if m > 0) if any(per) else 0
+
+
+def _ratio(name: str, metrics: dict, boot: np.ndarray, units: tuple[int, int]) -> RatioEstimate:
     base, var = metrics["base"][name], metrics["variant"][name]
     ratio = var / base if base else float("nan")
     logs = np.log(boot[np.isfinite(boot) & (boot > 0)])
-    if len(logs) < 10:
-        return RatioEstimate(name, base, var, ratio, float("nan"), float("nan"), units)
+    total, smallest = units
+    if len(logs) < 10 or smallest < 2 or not ratio > 0:
+        return RatioEstimate(name, base, var, ratio, float("nan"), float("nan"), total)
+    from scipy.stats import t
+
+    # bootstrap standard error of the log ratio, corrected for drawing from few units (sqrt(m / (m - 1))), and
+    # a t quantile with m - 1 degrees of freedom, m the units of the smallest stratum the metric draws on
     alpha = (1 - CONFIDENCE) / 2
-    low, high = np.quantile(logs, [alpha, 1 - alpha])
-    return RatioEstimate(name, base, var, ratio, float(math.exp(low)), float(math.exp(high)), units)
+    m = smallest
+    half = float(t.ppf(1 - alpha, m - 1)) * float(np.std(logs, ddof=1)) * math.sqrt(m / (m - 1))
+    low, high = math.log(ratio) - half, math.log(ratio) + half
+    return RatioEstimate(name, base, var, ratio, float(math.exp(low)), float(math.exp(high)), total)
 
 
 def _flatten(trace: PairedTrace) -> tuple[_Flat, dict[str, list[dict]]]:
