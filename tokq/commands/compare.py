@@ -77,8 +77,10 @@ def thresholds_from_config() -> dict[str, dict[str | None, float]]:
 
 def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: int = 2048, stride: int | None = None,
                  max_tokens: int | None = None, sample_windows: int | None = None, topk: int = 64,
+                 full_kl_rows: int = 256,
                  decode_windows: int = 2, decode_tokens: int = 128, probes: bool = True,
-                 probe_max_context: int | None = None, thresholds: dict | None = None, threshold_on: str = "bound",
+                 probe_max_context: int | None = None, probe_depths: int = 5, probe_repeats: int = 1,
+                 thresholds: dict | None = None, threshold_on: str = "bound",
                  resamples: int = 1000,
                  use_cache: bool = True, dtype: str = "auto", kv_dtype: str = "auto", b_kv_dtype: str | None = None,
                  kv_memory: str | None = None, strict: bool = False, seed: int = 0) -> dict:
@@ -91,12 +93,16 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     from tokq.errors import ConfigError, DataError
     from tokq.evalsuite.compare import CompareSettings, ModelRun, run_compare, token_window_docs
     from tokq.longctx.documents import load_documents
+    from tokq.longctx.probes import evenly_spaced_depths
     from tokq.longctx.windows import as_text_encoder, build_windows, tokenize_documents
     from tokq.paths import data_dir
 
-    for flag, value in (("--topk", topk), ("--resamples", resamples), ("--window", window)):
+    for flag, value in (("--topk", topk), ("--resamples", resamples), ("--window", window),
+                        ("--probe-depths", probe_depths), ("--probe-repeats", probe_repeats)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
+    if full_kl_rows < 0:
+        raise ConfigError(f"--full-kl-rows {full_kl_rows}: must be >= 0 (0: the top-k lower bound of the KL only)")
     if threshold_on not in ("bound", "point"):
         raise ConfigError(f"--threshold-on {threshold_on!r}: use bound (the CI's unfavourable bound) or point")
     ckpt_b = resolve_variant(b, a)
@@ -139,6 +145,8 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     budget = parse_bytes(kv_memory) if kv_memory else None
     probe_ctx = min(probe_max_context or window, context)
     engine_len = max(window, probe_ctx + 16)
+    _check_power(thresholds or {}, threshold_on, window, probe_ctx, probe_depths, probe_repeats,
+                 min(engine_len, context) if probes else None, len(used))
 
     def loader(checkpoint: Path, tokenizer, cache_dtype: str):
         def load() -> LLMEngine:
@@ -149,8 +157,10 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
         return load
 
     settings = CompareSettings(window=window, stride=windows.stride, max_tokens=max_tokens, topk=topk,
+                               full_kl_rows=full_kl_rows,
                                decode_windows=decode_windows, decode_tokens=decode_tokens, probes=probes,
-                               probe_max_context=probe_ctx, resamples=resamples, seed=seed, use_cache=use_cache,
+                               probe_max_context=probe_ctx, probe_depths=evenly_spaced_depths(probe_depths),
+                               probe_repeats=probe_repeats, resamples=resamples, seed=seed, use_cache=use_cache,
                                dtype=compute, kv_dtype=kv_dtype, kv_memory=budget, thresholds=thresholds or {},
                                threshold_on=threshold_on)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
@@ -175,6 +185,21 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     return result
 
 
+def _check_power(thresholds: dict, on: str, window: int, probe_ctx: int, probe_depths: int, probe_repeats: int,
+                 engine_len: int | None, documents: int) -> None:
+    """Refuse, before minutes of scoring, a threshold this run cannot decide (evalsuite.power): e.g.
+    --max-flip-rate 0.25 over 5 probes, whose exact upper bound is 0.52 even with no flip. engine_len None:
+    no probes run."""
+    from tokq.evalsuite.compare import THRESHOLD_METRICS
+    from tokq.evalsuite.power import Sample, check_thresholds
+    from tokq.longctx.probes import probe_grid
+
+    n_probes = probe_grid(window, probe_ctx, probe_depths, probe_repeats, engine_len).size if engine_len else 0
+    sample = Sample("this run", n_probes, documents, more_probes="raise --probe-repeats / --probe-depths",
+                    more_documents="give more documents, or raise --sample-windows")
+    check_thresholds(thresholds, {name: direction for name, (_, direction) in THRESHOLD_METRICS.items()}, on, sample)
+
+
 def compare_cmd(
     a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, or fp16 "
                                       "(the base B was quantized from)."),
@@ -186,15 +211,26 @@ def compare_cmd(
     sample_windows: int = typer.Option(None, "--sample-windows",
                                        help="Score only this many windows, spread evenly over all documents."),
     topk: int = typer.Option(64, "--topk", help="A's top-k kept per position (KL over it + the remaining mass)."),
+    full_kl_rows: int = typer.Option(256, "--full-kl-rows", help="Positions per path both models score over the whole "
+                                     "vocabulary: the KL beyond A's top-k is measured there and estimated for the rest "
+                                     "(0: the top-k lower bound only; at least the scored tokens: exact)."),
     decode_windows: int = typer.Option(2, "--decode-windows", help="Windows also scored through the decode path."),
     decode_tokens: int = typer.Option(128, "--decode-tokens", help="Positions per decode window run one token at a time."),
     probes: bool = typer.Option(True, "--probes/--no-probes", help="Passkey retrieval probes on the documents."),
     probe_max_context: int = typer.Option(None, "--probe-max-context",
                                           help="Longest probe context (default: the window)."),
+    probe_depths: int = typer.Option(5, "--probe-depths", help="Needle depths per probe context, evenly spaced 0..1."),
+    probe_repeats: int = typer.Option(1, "--probe-repeats", help="Probes per (context, depth), each with its own key: "
+                                      "more probes narrow the flip rate's exact interval."),
     max_kl: list[str] = typer.Option(None, "--max-kl", help="Fail above this mean KL (or BUCKET=value)."),
     min_top1: list[str] = typer.Option(None, "--min-top1", help="Fail below this top-1 agreement (or BUCKET=value)."),
     max_ppl_ratio: list[str] = typer.Option(None, "--max-ppl-ratio", help="Fail above this perplexity ratio B/A."),
-    max_flip_rate: list[str] = typer.Option(None, "--max-flip-rate", help="Fail above this probe flip rate (A right, B wrong)."),
+    max_flip_rate: list[str] = typer.Option(None, "--max-flip-rate", help="Fail when the flip rate's (A right, B "
+                                            "wrong) exact upper 95% bound is above this."),
+    max_kl_p95: list[str] = typer.Option(None, "--max-kl-p95", help="Fail above this 95th percentile of per-token KL."),
+    max_kl_p99: list[str] = typer.Option(None, "--max-kl-p99", help="Fail above this 99th percentile of per-token KL."),
+    max_rms_delta_p: list[str] = typer.Option(None, "--max-rms-delta-p", help="Fail above this RMS of Δp (actual "
+                                              "token's probability, B − A)."),
     threshold_on: str = typer.Option("bound", "--threshold-on", help="bound: a threshold fails when the 95% CI's "
                                      "unfavourable bound crosses it; point: when the estimate does."),
     resamples: int = typer.Option(1000, "--resamples", help="Bootstrap resamples for the 95% CIs."),
@@ -225,10 +261,14 @@ def compare_cmd(
     # thresholds given on the command line replace tokq.toml's [compare.thresholds] of the same name
     thresholds = {**thresholds_from_config(), **_thresholds({"max_kl": max_kl, "min_top1": min_top1,
                                                              "max_ppl_ratio": max_ppl_ratio,
-                                                             "max_flip_rate": max_flip_rate})}
+                                                             "max_flip_rate": max_flip_rate, "max_kl_p95": max_kl_p95,
+                                                             "max_kl_p99": max_kl_p99,
+                                                             "max_rms_delta_p": max_rms_delta_p})}
     result = compare_pair(a, b, runtime, data=data, window=window, stride=stride, max_tokens=max_tokens,
-                          sample_windows=sample_windows, topk=topk, decode_windows=decode_windows,
+                          sample_windows=sample_windows, topk=topk, full_kl_rows=full_kl_rows,
+                          decode_windows=decode_windows,
                           decode_tokens=decode_tokens, probes=probes, probe_max_context=probe_max_context,
+                          probe_depths=probe_depths, probe_repeats=probe_repeats,
                           thresholds=thresholds, threshold_on=threshold_on, resamples=resamples,
                           use_cache=not no_cache, dtype=dtype,
                           kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype, kv_memory=kv_memory, strict=strict, seed=seed)

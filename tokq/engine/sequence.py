@@ -35,10 +35,12 @@ class ScoreRequest:
     topk: int = 0
     decode_from: int | None = None
     gather_ids: torch.Tensor | None = None  # int64 [L - 1, k]: also keep the log-probabilities of these ids
+    full_rows: torch.Tensor | None = None  # bool [L - 1]: keep the whole vocabulary's log-probabilities there
     logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n] per chunk
     topk_ids: list[torch.Tensor] = field(default_factory=list)  # int64 [n, topk]
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n, topk]
     gathered: list[torch.Tensor] = field(default_factory=list)  # fp32 [n, k] at gather_ids
+    full_logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [rows of full_rows in n, vocab]
 
 
 @dataclass

@@ -5,16 +5,20 @@ For each scored token (the prediction of token i of a window from tokens[:i]):
 - Δp = p_B(actual) − p_A(actual) (exact);
 - top-1 agreement: A's argmax is an argmax of B too (ties count as agreement: 16-bit logits tie often,
   and which of two equal tokens a top-k returns first is arbitrary);
-- KL(A‖B) over A's top-k tokens plus one bucket for all remaining tokens:
+- `kl_topk`: KL(A‖B) over A's top-k tokens plus one bucket for all remaining tokens:
   Σ_top-k p log(p/q) + (1 − P) log((1 − P) / (1 − Q)), P and Q the two models' mass on A's top-k. This
   is the KL of the two distributions coarsened to k + 1 outcomes, a lower bound of the full-vocabulary
   KL (data-processing inequality) that becomes exact as k reaches the vocabulary; A's mean covered mass
   P is reported with it so the bound's tightness can be judged;
+- `kl`: the full-vocabulary KL(A‖B): `kl_topk` plus, on the positions where the baseline kept A's whole
+  distribution (a sample with inclusion probability π), the exact tail gap / π (evalsuite.full_kl: exact
+  at π = 1, unbiased below it, `kl_topk` itself when no whole distribution was kept);
 - expected acceptance rate Σ min(p, q) (the chance a speculative draft B's token is accepted by A):
   over A's top-k plus min(1 − P, 1 − Q) for the rest, an upper bound, exact at full vocabulary.
 
 The baseline's scores come from one engine pass over the windows (`score_baseline`); the candidate is
-scored at the baseline's top-k ids (`score_candidate`), so A and B never need to be in memory together.
+scored at the baseline's top-k ids and over the whole vocabulary at the baseline's sampled positions
+(`score_candidate`), so A and B never need to be in memory together.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tokq.engine.llm_engine import LLMEngine
+from tokq.evalsuite.full_kl import ATail, FullSample, a_tail, bucket_kl, tail_gap
 from tokq.longctx.windows import TokenWindow
 
 
@@ -35,13 +40,29 @@ class BaselineWindow:
     logprob: torch.Tensor  # fp32 [n]: log p_A(actual token)
     topk_ids: torch.Tensor  # int64 [n, k]
     topk_logprobs: torch.Tensor  # fp32 [n, k]
+    full_rows: torch.Tensor | None = None  # int64 [m]: rows (ascending) where A's whole distribution was scored
+    tail: ATail | None = None  # what the full KL needs of A's rows there (evalsuite.full_kl)
+    full_prob: float = 0.0  # π: every row's probability of being among full_rows (1.0: all of them)
+
+    def rows_from(self, skip: int) -> BaselineWindow:
+        """The same scores from row `skip` on (a sample's rows keep their inclusion probability)."""
+        full_rows = tail = None
+        if self.full_rows is not None:
+            keep = self.full_rows >= skip
+            full_rows = self.full_rows[keep] - skip
+            tail = ATail(self.tail.probs[keep], self.tail.plogp[keep], self.tail.lognorm[keep])
+        return BaselineWindow(self.logprob[skip:], self.topk_ids[skip:], self.topk_logprobs[skip:], full_rows, tail,
+                              self.full_prob)
 
 
 @dataclass
 class TokenMetrics:
     """Per scored token, concatenated over windows."""
 
-    kl: torch.Tensor
+    kl: torch.Tensor  # the full-vocabulary estimate (see the module docstring)
+    kl_topk: torch.Tensor  # its top-k + bucket lower bound
+    kl_gap: torch.Tensor  # the exact tail gap on sampled tokens, 0 elsewhere
+    sampled: torch.Tensor  # bool: the token's whole distributions were scored
     top1: torch.Tensor  # float 0/1
     delta_nll: torch.Tensor
     delta_p: torch.Tensor
@@ -51,8 +72,8 @@ class TokenMetrics:
     doc_index: torch.Tensor  # int64
 
     def as_dict(self) -> dict[str, torch.Tensor]:
-        return {"kl": self.kl, "top1": self.top1, "delta_nll": self.delta_nll, "delta_p": self.delta_p,
-                "accept": self.accept}
+        return {"kl": self.kl, "kl_topk": self.kl_topk, "top1": self.top1, "delta_nll": self.delta_nll,
+                "delta_p": self.delta_p, "accept": self.accept}
 
     @property
     def tokens(self) -> int:
@@ -65,14 +86,37 @@ def scored_rows(window: TokenWindow) -> slice:
     return slice(first - 1, len(window.tokens) - 1)
 
 
+def _full_masks(windows: Sequence[TokenWindow], rows: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
+    """Engine masks over each window's positions from indices into its scored rows (None: no window has any)."""
+    if all(r is None for r in rows):
+        return None
+    masks = []
+    for window, picked in zip(windows, rows, strict=True):
+        mask = torch.zeros(len(window.tokens) - 1, dtype=torch.bool)
+        if picked is not None:
+            mask[scored_rows(window).start + picked] = True
+        masks.append(mask)
+    return masks
+
+
 def score_baseline(engine: LLMEngine, windows: Sequence[TokenWindow], topk: int, decode_from: int | None = None,
-                   progress: Callable[[int], None] | None = None) -> list[BaselineWindow]:
-    scores = engine.score([w.tokens for w in windows], topk=topk, decode_from=decode_from, progress=progress)
+                   progress: Callable[[int], None] | None = None,
+                   sample: FullSample | None = None) -> list[BaselineWindow]:
+    """A's scores; with `sample`, also what the full KL needs of A's whole distribution at the sample's rows."""
+    wanted = sample is not None and sample.size > 0
+    masks = _full_masks(windows, sample.rows) if wanted else None
+    scores = engine.score([w.tokens for w in windows], topk=topk, decode_from=decode_from, progress=progress,
+                          full_rows=masks)
     out = []
-    for window, score in zip(windows, scores, strict=True):
+    for i, (window, score) in enumerate(zip(windows, scores, strict=True)):
         rows = scored_rows(window)
-        out.append(BaselineWindow(score.logprobs[rows].clone(), score.topk_ids[rows].clone(),
-                                  score.topk_logprobs[rows].clone()))
+        base = BaselineWindow(score.logprobs[rows].clone(), score.topk_ids[rows].clone(),
+                              score.topk_logprobs[rows].clone())
+        if wanted:
+            picked = sample.rows[i].clone()
+            base.full_rows, base.full_prob = picked, sample.prob
+            base.tail = a_tail(score.full_logprobs, base.topk_ids[picked])
+        out.append(base)
     return out
 
 
@@ -85,13 +129,16 @@ def score_candidate(engine: LLMEngine, windows: Sequence[TokenWindow], baseline:
         ids = torch.zeros(len(window.tokens) - 1, base.topk_ids.shape[1], dtype=torch.long)
         ids[scored_rows(window)] = base.topk_ids
         gathers.append(ids)
+    masks = _full_masks(windows, [base.full_rows for base in baseline])
     scores = engine.score([w.tokens for w in windows], topk=1, decode_from=decode_from, progress=progress,
-                          gather_ids=gathers)
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "top1", "delta_nll", "delta_p", "accept",
-                                                            "coverage", "position", "doc_index")}
+                          gather_ids=gathers, full_rows=masks)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
+        "kl", "kl_topk", "kl_gap", "sampled", "top1", "delta_nll", "delta_p", "accept", "coverage", "position",
+        "doc_index")}
     for window, base, score, doc in zip(windows, baseline, scores, doc_index, strict=True):
         rows = scored_rows(window)
         metrics = token_metrics(base, score.logprobs[rows], score.topk_logprobs[rows, 0], score.gathered[rows])
+        metrics.update(_tail_estimate(base, metrics["kl_topk"], score.gathered[rows], score.full_logprobs))
         for key, value in metrics.items():
             parts[key].append(value)
         positions = torch.arange(rows.start + 1, rows.stop + 1)
@@ -110,10 +157,22 @@ def token_metrics(base: BaselineWindow, logprob_b: torch.Tensor, max_logprob_b: 
     p, q = lp.exp(), lq.exp()
     mass_p = p.sum(-1).clamp(max=1.0)
     mass_q = q.sum(-1).clamp(max=1.0)
-    rest_p, rest_q = (1 - mass_p).clamp_min(0), (1 - mass_q).clamp_min(1e-30)
-    kl_top = (p * (lp - lq)).sum(-1)
-    kl_rest = torch.where(rest_p > 0, rest_p * (rest_p.clamp_min(1e-30).log() - rest_q.log()), torch.zeros_like(rest_p))
-    kl = (kl_top + kl_rest).clamp_min(0.0)  # tiny negatives are rounding
-    accept = torch.minimum(p, q).sum(-1) + torch.minimum(rest_p, 1 - mass_q)
-    return {"kl": kl.float(), "top1": (gathered_b[:, 0] >= max_logprob_b).float(), "delta_nll": (la - lb).float(),
-            "delta_p": (lb.exp() - la.exp()).float(), "accept": accept.clamp(0, 1).float(), "coverage": mass_p.float()}
+    kl = bucket_kl(lp, lq).clamp_min(0.0)  # tiny negatives are rounding
+    accept = torch.minimum(p, q).sum(-1) + torch.minimum((1 - mass_p).clamp_min(0), 1 - mass_q)
+    return {"kl_topk": kl.float(), "top1": (gathered_b[:, 0] >= max_logprob_b).float(),
+            "delta_nll": (la - lb).float(), "delta_p": (lb.exp() - la.exp()).float(),
+            "accept": accept.clamp(0, 1).float(), "coverage": mass_p.float()}
+
+
+def _tail_estimate(base: BaselineWindow, kl_topk: torch.Tensor, gathered_b: torch.Tensor,
+                   full_b: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """kl = kl_topk + gap / π on the sampled rows (the full KL's Horvitz–Thompson estimate; exact at π = 1)."""
+    gap = torch.zeros_like(kl_topk, dtype=torch.float64)
+    sampled = torch.zeros_like(kl_topk, dtype=torch.bool)
+    kl = kl_topk.double()
+    if base.full_rows is not None and base.full_rows.numel():
+        picked = base.full_rows
+        gap[picked] = tail_gap(base.tail, base.topk_ids[picked], base.topk_logprobs[picked], gathered_b[picked], full_b)
+        sampled[base.full_rows] = True
+        kl = kl + gap / base.full_prob
+    return {"kl": kl.float(), "kl_gap": gap.float(), "sampled": sampled}

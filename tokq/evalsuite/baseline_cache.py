@@ -1,4 +1,7 @@
 """The baseline cache: A's top-k scores per window, kept under $TOKQ_HOME so a CI rerun scores only B.
+With them, per window, what the full-vocabulary KL needs of A at the positions sampled for it (evalsuite.full_kl):
+the rows, A's tail probabilities there (fp16, vocabulary wide), two float64 scalars per row, and the
+inclusion probability.
 
 Key: sha256 of (model hash, data hash, window, stride, max tokens, top-k, path, dtype, KV dtype, tokq
 version). The model hash covers the checkpoint's config, weights and quantization files (content, so a
@@ -26,12 +29,14 @@ from safetensors.torch import load_file, save_file
 
 from tokq import __version__
 from tokq.evalsuite.ab import BaselineWindow
+from tokq.evalsuite.full_kl import ATail
 from tokq.longctx.windows import TokenWindow
 from tokq.paths import atomic_write_text, tokq_home
 
 log = logging.getLogger("tokq")
 _CHUNK = 1 << 20
-FORMAT = 3  # bump when what an entry holds or means changes (2: top-1 ties; 3: key and key_parts in the manifest)
+FORMAT = 4  # bump when what an entry holds or means changes (2: top-1 ties; 3: key and key_parts in the manifest;
+# 4: A's tail at the full-KL sample)
 
 
 def cache_dir() -> Path:
@@ -97,6 +102,14 @@ def _foreign(meta: object, key: str, key_parts: dict | None) -> str | None:
     return None
 
 
+def _full_of(tensors: dict[str, torch.Tensor], i: int) -> tuple:
+    """(full_rows, A's tail, full_prob) of window i, or nothing kept."""
+    if f"{i}.full_rows" not in tensors:
+        return None, None, 0.0
+    tail = ATail(tensors[f"{i}.tail_probs"], tensors[f"{i}.tail_plogp"], tensors[f"{i}.tail_lognorm"])
+    return tensors[f"{i}.full_rows"].long(), tail, float(tensors[f"{i}.full_prob"][0])
+
+
 def load(key: str, *, key_parts: dict | None = None) -> tuple[list[BaselineWindow], dict] | None:
     """The cached windows for `key` and the entry's extra data (what `store` was given as `describe`), or
     None (missing, failing its checksum, or not this key's entry: then it is recomputed). With `key_parts`
@@ -117,7 +130,7 @@ def load(key: str, *, key_parts: dict | None = None) -> tuple[list[BaselineWindo
             return None
         tensors = load_file(str(data))
         windows = [BaselineWindow(tensors[f"{i}.logprob"], tensors[f"{i}.topk_ids"].long(),
-                                  tensors[f"{i}.topk_logprobs"]) for i in range(meta["windows"])]
+                                  tensors[f"{i}.topk_logprobs"], *_full_of(tensors, i)) for i in range(meta["windows"])]
         return windows, meta.get("extra", {})
     except (OSError, KeyError, ValueError, RuntimeError) as exc:
         log.warning("baseline cache entry %s cannot be read (%s); recomputing it", folder, exc)
@@ -136,6 +149,12 @@ def store(key: str, windows: Sequence[BaselineWindow], describe: dict, *,
         tensors[f"{i}.logprob"] = w.logprob.float().contiguous()
         tensors[f"{i}.topk_ids"] = w.topk_ids.to(torch.int32).contiguous()
         tensors[f"{i}.topk_logprobs"] = w.topk_logprobs.float().contiguous()
+        if w.full_rows is not None:  # what the full KL needs of A at its sampled rows
+            tensors[f"{i}.full_rows"] = w.full_rows.to(torch.int32).contiguous()
+            tensors[f"{i}.tail_probs"] = w.tail.probs.contiguous()
+            tensors[f"{i}.tail_plogp"] = w.tail.plogp.double().contiguous()
+            tensors[f"{i}.tail_lognorm"] = w.tail.lognorm.double().contiguous()
+            tensors[f"{i}.full_prob"] = torch.tensor([w.full_prob], dtype=torch.float64)
     tmp = folder / "scores.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(folder / "scores.safetensors")

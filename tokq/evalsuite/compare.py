@@ -6,6 +6,10 @@ The flow: windows (longctx) -> A's scores (baseline cache or one engine pass: ch
 decode path on a sample of windows) -> B scored at A's top-k ids -> metrics (evalsuite.ab) -> aggregates
 (evalsuite.stats) -> thresholds. A and B are never loaded at the same time.
 
+KL: on each path both models also score `full_kl_rows` sampled positions over the whole vocabulary (what
+the KL needs of A's rows goes into the baseline cache, fp16), so `kl` is the full-vocabulary KL, exact or estimated with its
+interval, and `kl_topk` its top-k lower bound (evalsuite.full_kl; `kl_estimator` in the JSON says which).
+
 Decode-path check: on `decode_windows` windows, the last `decode_tokens` positions are scored one token
 per step through the decode kernels and the KV cache, for both models, and reported separately (a
 quantized or fp8 KV cache, or a decode-kernel difference, only shows there). The noise floor is A's own
@@ -15,23 +19,30 @@ decode path against A's prefill path on those tokens: differences below it are k
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tokq import __version__
+from tokq.engine.config import read_config
 from tokq.errors import DataError
 from tokq.evalsuite import baseline_cache
 from tokq.evalsuite.ab import BaselineWindow, TokenMetrics, score_baseline, score_candidate
-from tokq.evalsuite.stats import aggregate, check_threshold, mcnemar_exact
+from tokq.evalsuite.full_kl import A_TAIL_DTYPE, kind_of, lower_bound_verdict, systematic_sample
+from tokq.evalsuite.stats import aggregate, check_threshold, mcnemar_exact, proportion
 from tokq.longctx.windows import TokenWindow, WindowSet
 
 log = logging.getLogger("tokq")
 
 # name -> (aggregate metric, direction): thresholds fail when the CI's unfavourable bound crosses them
 THRESHOLD_METRICS = {"max_kl": ("kl", "max"), "min_top1": ("top1", "min"), "max_ppl_ratio": ("ppl_ratio", "max"),
-                     "max_flip_rate": ("flip_rate", "max")}
+                     "max_flip_rate": ("flip_rate", "max"),
+                     "max_kl_p90": ("kl_p90", "max"), "max_kl_p95": ("kl_p95", "max"), "max_kl_p99": ("kl_p99", "max"),
+                     "max_kl_p999": ("kl_p999", "max"), "max_rms_delta_p": ("rms_delta_p", "max")}
+# per-token KL quantiles: a lower bound unless every token's KL is exact (see _kl_tails_from)
+KL_TAIL_METRICS = {"kl_p90", "kl_p95", "kl_p99", "kl_p999"}
 
 
 @dataclass
@@ -40,11 +51,13 @@ class CompareSettings:
     stride: int | None = None
     max_tokens: int | None = None
     topk: int = 64
+    full_kl_rows: int = 256  # per path: positions both models score over the whole vocabulary (0: lower bound only)
     decode_windows: int = 2
     decode_tokens: int = 128
     probes: bool = True
     probe_max_context: int | None = None  # None: the window
     probe_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    probe_repeats: int = 1  # probes per (context, depth), each with its own key
     resamples: int = 1000
     seed: int = 0
     use_cache: bool = True
@@ -88,7 +101,12 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
     key_parts = dict(model=baseline_cache.model_hash(a.checkpoint), data=baseline_cache.data_hash(wins),
                      decode=baseline_cache.data_hash(dwins), window=s.window, stride=windows.stride,
                      max_tokens=s.max_tokens, topk=s.topk, decode_from=decode_from, dtype=s.dtype, kv_dtype=s.kv_dtype,
-                     probes=[s.probes, s.probe_max_context, list(s.probe_depths), s.seed])
+                     probes=[s.probes, s.probe_max_context, list(s.probe_depths), s.probe_repeats, s.seed],
+                     full_kl=[s.full_kl_rows, s.seed])
+    vocab = read_config(a.checkpoint).vocab_size
+    sample, dsample = (None, None) if s.topk >= vocab else (
+        systematic_sample([_scored(w) for w in wins], s.full_kl_rows, s.seed),
+        systematic_sample([_scored(w) for w in dwins], s.full_kl_rows, s.seed))
     key = baseline_cache.cache_key(**key_parts)
     tick = (lambda label, total: progress(label, total)) if progress else (lambda label, total: None)
     cached = baseline_cache.load(key, key_parts=key_parts) if s.use_cache else None
@@ -101,9 +119,10 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
     else:
         engine_a = a.load()
         start = time.perf_counter()
-        base_prefill = score_baseline(engine_a, wins, s.topk, progress=tick(f"{a.name}: prefill path", len(wins)))
-        base_decode = score_baseline(engine_a, dwins, s.topk, decode_from, tick(f"{a.name}: decode path", len(dwins))) \
-            if dwins else []
+        base_prefill = score_baseline(engine_a, wins, s.topk, progress=tick(f"{a.name}: prefill path", len(wins)),
+                                      sample=sample)
+        base_decode = score_baseline(engine_a, dwins, s.topk, decode_from, tick(f"{a.name}: decode path", len(dwins)),
+                                     sample=dsample) if dwins else []
         floor = _floor(engine_a, dwins, wins, base_prefill, ddoc_index, decode_from, s)
         a_probes = _probes(engine_a, a.tokenizer, probe_documents, s) if s.probes else None
         a_seconds = time.perf_counter() - start
@@ -124,6 +143,9 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
     b_probes = _probes(engine_b, b.tokenizer, probe_documents, s) if s.probes else None
     b_seconds = time.perf_counter() - start
     scored_tokens = sum(len(w.tokens) for w in wins) + sum(len(w.tokens) for w in dwins)
+    kl_estimator = {"topk": s.topk, "vocab": vocab, "full_kl_rows": s.full_kl_rows, "seed": s.seed,
+                    "a_tail_dtype": str(A_TAIL_DTYPE).removeprefix("torch."), "prefill": _kl_path(prefill, s.topk, vocab),
+                    "decode": _kl_path(decode, s.topk, vocab) if decode is not None else None}
 
     result = {
         "tokq_version": __version__,
@@ -134,8 +156,8 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
                     "documents": len(doc_ids), "window": s.window, "stride": windows.stride,
                     "dropped_documents": windows.dropped_documents, "dropped_tails": windows.dropped_tails,
                     "stopped_by": windows.stopped_by},
-        "kl_method": (f"KL(A||B) over A's top-{s.topk} tokens plus one bucket for the remaining mass (a lower bound "
-                      "of the full-vocabulary KL; exact when k is the vocabulary)"),
+        "kl_method": _kl_method(kl_estimator),
+        "kl_estimator": kl_estimator,
         "coverage_mean": float(prefill.coverage.mean()) if prefill.tokens else None,
         "prefill": _aggregate(prefill, doc_ids, s),
         "decode": ({**_aggregate(decode, doc_ids, s), "decode_from": decode_from, "windows": len(dwins)}
@@ -157,7 +179,58 @@ def _aggregate(metrics: TokenMetrics, doc_ids: list[str], s: CompareSettings) ->
     if metrics.tokens == 0:
         raise DataError("no token was scored: the documents give no window with a token to predict")
     return aggregate(metrics.as_dict(), metrics.doc_index, metrics.position, doc_ids, s.window, resamples=s.resamples,
-                     seed=s.seed)
+                     seed=s.seed, kl_tails_from=_kl_tails_from(metrics))
+
+
+def _kl_tails_from(metrics: TokenMetrics) -> str:
+    """Which per-token KL the tail quantiles are taken from. A quantile needs each token's own KL: `kl` is that
+    when every token's whole distribution was scored, or none was (then it is the top-k bound itself). With a
+    sample of positions, `kl` adds the sampled tokens' tail gap / π (right in a mean, meaningless in a quantile):
+    the tails then come from `kl_topk`, each token's lower bound, and are lower bounds themselves."""
+    sampled = getattr(metrics, "sampled", None)
+    if sampled is None or bool(sampled.all()) or not bool(sampled.any()):
+        return "kl"
+    return "kl_topk"
+
+
+def _scored(window: TokenWindow) -> int:
+    """How many of the window's positions are scored (ab.scored_rows)."""
+    return len(window.tokens) - max(window.score_from, 1)
+
+
+def _kl_path(metrics: TokenMetrics, topk: int, vocab: int) -> dict:
+    """How one path's `kl` was obtained, and how much of it the top-k bound misses."""
+    rows = int(metrics.sampled.sum())
+    prob = rows / metrics.tokens if rows and metrics.tokens else None
+    kind = kind_of(topk, vocab, prob)
+    tail = float((metrics.kl.double() - metrics.kl_topk.double()).mean()) if metrics.tokens else None
+    return {"kind": kind, "full_rows": rows, "tokens": metrics.tokens, "inclusion_probability": prob,
+            "tail_mean": tail, "gap_mean_on_full_rows": float(metrics.kl_gap[metrics.sampled].mean()) if rows else None}
+
+
+def _kl_method(est: dict) -> str:
+    """One sentence per path kind: which KL figure is exact, which estimated, and how."""
+    k = est["topk"]
+    kinds = {name: est[name]["kind"] for name in ("prefill", "decode") if est[name]}
+    parts = []
+    for kind in dict.fromkeys(kinds.values()):
+        where = " and ".join(name for name, value in kinds.items() if value == kind) + " path"
+        rows = " / ".join(f"{est[n]['full_rows']} of {est[n]['tokens']}" for n, v in kinds.items() if v == kind)
+        if kind == "exact" and k >= est["vocab"]:
+            parts.append(f"{where}: KL(A||B) exact over the whole vocabulary (top-k = the vocabulary of {est['vocab']})")
+        elif kind == "exact":
+            parts.append(f"{where}: KL(A||B) exact over the whole vocabulary (both models scored every position in "
+                         f"full, A's tail probabilities kept in {est['a_tail_dtype']}; kl_topk: its top-{k} + rest "
+                         "lower bound)")
+        elif kind == "estimated":
+            parts.append(f"{where}: KL(A||B) over the whole vocabulary estimated: A's top-{k} + one bucket for the "
+                         f"rest at every position (kl_topk, a lower bound) plus the exact tail it misses on {rows} "
+                         f"positions scored in full by both models (systematic sample, seed {est['seed']}), weighted "
+                         "by 1/π (unbiased); its CI from the same document bootstrap")
+        else:
+            parts.append(f"{where}: KL(A||B) over A's top-{k} + one bucket for the rest only, a lower bound of the "
+                         "full-vocabulary KL (no whole distribution kept): a max_kl rule under it is inconclusive")
+    return "; ".join(parts)
 
 
 def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefill: list[BaselineWindow],
@@ -170,7 +243,7 @@ def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefi
         full = next(i for i, w in enumerate(wins) if w.doc_id == dw.doc_id and w.start == dw.start)
         skip = dw.score_from - max(wins[full].score_from, 1)
         base = base_prefill[full]
-        rows.append(BaselineWindow(base.logprob[skip:], base.topk_ids[skip:], base.topk_logprobs[skip:]))
+        rows.append(base.rows_from(skip))
     metrics = score_candidate(engine, dwins, rows, ddoc_index, decode_from)
     return {"tokens": metrics.tokens, "kl_mean": float(metrics.kl.mean()), "kl_max": float(metrics.kl.max()),
             "top1": float(metrics.top1.mean()), "delta_nll_mean": float(metrics.delta_nll.mean()),
@@ -179,69 +252,112 @@ def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefi
 
 def _probes(engine, tokenizer, documents, s: CompareSettings) -> list[dict] | None:
     from tokq.engine.tokenizer import model_adds_bos
-    from tokq.longctx.probes import DEFAULT_MAX_NEW_TOKENS, build_probes, default_contexts, run_probes
+    from tokq.longctx.probes import build_probes, probe_grid, run_probes
 
     if not documents:
         return None
-    max_context = min(s.probe_max_context or s.window, engine.max_model_len - DEFAULT_MAX_NEW_TOKENS)
-    contexts = default_contexts(max_context)
-    if not contexts:
+    # the same grid the config's power check counts (evalsuite.power)
+    grid = probe_grid(s.window, s.probe_max_context, s.probe_depths, s.probe_repeats, engine.max_model_len)
+    if not grid.size:
         return None
-    probes = build_probes(documents, tokenizer, contexts, s.probe_depths, seed=s.seed,
-                          add_bos=model_adds_bos(tokenizer))
-    return [{"context": r.context, "depth": r.depth, "correct": bool(r.correct), "answer": r.answer,
-             "output": r.output_text} for r in run_probes(engine, probes, tokenizer=tokenizer)]
+    probes = build_probes(documents, tokenizer, grid.contexts, grid.depths, seed=s.seed,
+                          add_bos=model_adds_bos(tokenizer), repeats=grid.repeats)
+    return [{"context": r.context, "depth": r.depth, "repeat": r.repeat, "correct": bool(r.correct),
+             "answer": r.answer, "output": r.output_text} for r in run_probes(engine, probes, tokenizer=tokenizer)]
 
 
 def _probe_comparison(a: list[dict] | None, b: list[dict] | None) -> dict | None:
+    """Flips both ways with McNemar's exact test; every proportion (flip rate, A's and B's accuracy) with its
+    exact Clopper-Pearson 95% interval under "intervals" (the probes are the sample: n of them)."""
     if not a or not b:
         return None
     pairs = list(zip(a, b, strict=True))
     a_only = [(x["context"], x["depth"]) for x, y in pairs if x["correct"] and not y["correct"]]
     b_only = [(x["context"], x["depth"]) for x, y in pairs if y["correct"] and not x["correct"]]
     n = len(pairs)
+    a_right, b_right = sum(x["correct"] for x in a), sum(y["correct"] for y in b)
 
     def grid(results: list[dict]) -> dict:
-        out: dict[str, dict[str, bool]] = {}
+        """context -> depth -> right (bool), or the fraction right when a cell holds several probes."""
+        cells: dict[str, dict[str, list[bool]]] = {}
         for r in results:
-            out.setdefault(str(r["context"]), {})[f"{r['depth']:.2f}"] = r["correct"]
-        return out
+            cells.setdefault(str(r["context"]), {}).setdefault(f"{r['depth']:.2f}", []).append(bool(r["correct"]))
+        return {c: {d: v[0] if len(v) == 1 else sum(v) / len(v) for d, v in row.items()} for c, row in cells.items()}
 
-    return {"n": n, "a_accuracy": sum(x["correct"] for x in a) / n, "b_accuracy": sum(y["correct"] for y in b) / n,
+    return {"n": n, "a_accuracy": a_right / n, "b_accuracy": b_right / n,
             "a_right_b_wrong": len(a_only), "a_wrong_b_right": len(b_only), "flip_rate": len(a_only) / n,
+            "intervals": {name: proportion(k, n).to_json() for name, k in
+                          (("flip_rate", len(a_only)), ("a_accuracy", a_right), ("b_accuracy", b_right))},
             "flipped": a_only, "recovered": b_only, "mcnemar_p": mcnemar_exact(len(a_only), len(b_only)),
             "a_grid": grid(a), "b_grid": grid(b)}
 
 
 def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, float]], on: str = "bound") -> list[dict]:
     """Each threshold against the prefill path's estimate (overall or per bucket): it fails when the
-    95% CI's unfavourable bound crosses it (on="point": when the estimate does). The flip rate has no CI:
-    its point value is used."""
+    95% CI's unfavourable bound crosses it (on="point": when the estimate does). The flip rate's CI is the
+    exact Clopper-Pearson interval over the probes. A rule the data cannot decide is inconclusive, never a
+    pass: no probes ran, too few probes to pass even with no flip (`power.probes_to_pass`), one document (no
+    interval), or a KL figure that is only a lower bound (full_kl.lower_bound_verdict)."""
+    from tokq.evalsuite.power import probes_to_pass
     from tokq.evalsuite.stats import Estimate
 
+    kl_kind = ((result.get("kl_estimator") or {}).get("prefill") or {}).get("kind")
     out = []
     for name, per_bucket in thresholds.items():
         metric, direction = THRESHOLD_METRICS[name]
         for bucket, value in per_bucket.items():
+            row = {"name": name, "metric": metric, "bucket": bucket, "threshold": value}
             if metric == "flip_rate":
                 probes = result.get("probes")
                 if not probes:
-                    out.append({"name": name, "metric": metric, "bucket": None, "threshold": value, "passed": True,
-                                "rule": "no retrieval probes ran: not checked"})
+                    out.append({**row, "bucket": None, "passed": False, "inconclusive": True,
+                                "rule": "no retrieval probes ran (no documents for them, or --no-probes): the flip "
+                                        "rate is not shown (inconclusive)"})
                     continue
-                rate = probes["flip_rate"]
-                est = Estimate(rate, rate, rate, 0, probes["n"])
-            else:
-                source = result["prefill"]["overall"] if bucket is None else result["prefill"]["buckets"].get(bucket)
-                if source is None or metric not in source:
-                    known = ", ".join(result["prefill"]["buckets"])
-                    raise DataError(f"--{name.replace('_', '-')} names bucket {bucket!r}, which these windows do not "
-                                    f"reach (buckets: {known})")
-                est = Estimate(**{k: source[metric][k] for k in ("value", "low", "high", "n_tokens", "n_docs")})
+                ci = (probes.get("intervals") or {}).get("flip_rate")
+                est = Estimate(**{k: ci[k] for k in ("value", "low", "high", "n_tokens", "n_docs")}) if ci else \
+                    Estimate(probes["flip_rate"], probes["flip_rate"], probes["flip_rate"], probes["n"], probes["n"])
+                needed = probes_to_pass(value)
+                check = check_threshold(est, value, direction, metric, None, on)
+                too_few = needed is None or probes["n"] < needed
+                if on == "bound" and not check.passed and est.low <= value and too_few:
+                    out.append({**row, "bucket": None, "passed": False, "inconclusive": True, **_interval(est),
+                                "rule": f"{check.rule} over {probes['n']} probes; even no flip could not pass: it "
+                                        f"needs at least {needed} probes (inconclusive)"})
+                    continue
+                out.append({**row, "bucket": None, "passed": check.passed, **_interval(est),
+                            "rule": f"{check.rule} (exact, {probes['n']} probes)"})
+                continue
+            source = result["prefill"]["overall"] if bucket is None else result["prefill"]["buckets"].get(bucket)
+            if source is None or metric not in source:
+                known = ", ".join(result["prefill"]["buckets"])
+                raise DataError(f"--{name.replace('_', '-')} names bucket {bucket!r}, which these windows do not "
+                                f"reach (buckets: {known})")
+            entry = source[metric]
+            # JSON writes an infinite bound (one document: no interval) as null
+            low = -math.inf if entry["low"] is None else entry["low"]
+            high = math.inf if entry["high"] is None else entry["high"]
+            est = Estimate(math.nan if entry["value"] is None else entry["value"], low, high, entry["n_tokens"],
+                           entry["n_docs"])
+            lower_bound = (metric == "kl" and kl_kind == "lower_bound") or (metric in KL_TAIL_METRICS and kl_kind
+                                                                              not in (None, "exact"))
+            if lower_bound:
+                out.append({**row, **_interval(est), **lower_bound_verdict(est, value, on)})
+                continue  # a lower bound can show a regression, never its absence
             check = check_threshold(est, value, direction, metric, bucket, on)
-            out.append({"name": name, "metric": metric, "bucket": bucket, "threshold": value, "passed": check.passed,
-                        "value": est.value, "low": est.low, "high": est.high, "rule": check.rule})
+            if not check.passed and math.isinf(check.bound_used):
+                out.append({**row, "passed": False, "inconclusive": True, **_interval(est),
+                            "rule": f"{est.n_docs} document gives no interval for {metric}; {direction} {value:.4g} "
+                                    "not shown (inconclusive)"})
+                continue
+            out.append({**row, "passed": check.passed, **_interval(est), "rule": check.rule})
     return out
+
+
+def _interval(est) -> dict:
+    """value / low / high of a threshold row, an infinite or missing bound as None (strict JSON)."""
+    return {key: (float(x) if x is not None and math.isfinite(x) else None)
+            for key, x in (("value", est.value), ("low", est.low), ("high", est.high))}
 
 
 def _settings_json(s: CompareSettings) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from tokq.reports import plots
-from tokq.reports.markdown import METRIC_LABELS
+from tokq.reports.markdown import METRIC_LABELS, verdict_word
 
 
 def _ci(est: dict, pct: bool = False) -> str:
@@ -22,7 +22,8 @@ th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.ci{color:#7
 def compare_html(result: dict) -> str:
     """The report of one `tokq compare` result (its JSON)."""
     a, b = html.escape(result["a"]["name"]), html.escape(result["b"]["name"])
-    verdict = '<span class="pass">PASS</span>' if result["passed"] else '<span class="fail">REGRESSION</span>'
+    verdict = ('<span class="pass">PASS</span>' if result["passed"] else
+               f'<span class="fail">{verdict_word(result["thresholds"])}</span>')
     w = result["windows"]
     parts = [f"<!doctype html><html><head><meta charset=utf-8><title>tokq compare {a} → {b}</title>"
              f"<style>{STYLE}</style></head><body>",
@@ -31,7 +32,7 @@ def compare_html(result: dict) -> str:
              f"{w['scored_tokens']} scored tokens. 95% CIs from a paired bootstrap over documents. "
              f"{html.escape(result['kl_method'])}.</p>",
              "<h2>Overall</h2><table><tr><th>metric</th><th>prefill path</th><th>decode path</th></tr>"]
-    for m in ("kl", "top1", "ppl_ratio", "delta_nll", "delta_p", "accept"):
+    for m in ("kl", "kl_topk", "top1", "ppl_ratio", "delta_nll", "delta_p", "accept"):
         pct = m in ("top1", "accept")
         pre = result["prefill"]["overall"].get(m)
         dec = (result.get("decode") or {}).get("overall", {}).get(m)
@@ -60,8 +61,9 @@ def compare_html(result: dict) -> str:
         parts.append("<h2>Thresholds</h2><table><tr><th>rule</th><th>bucket</th><th>result</th><th>why</th></tr>")
         for t in result["thresholds"]:
             cls = "pass" if t["passed"] else "fail"
+            outcome = "pass" if t["passed"] else "INCONCLUSIVE" if t.get("inconclusive") else "FAIL"
             parts.append(f"<tr><td>{t['name']} {t['threshold']}</td><td>{t['bucket'] or 'overall'}</td>"
-                         f"<td class={cls}>{'pass' if t['passed'] else 'FAIL'}</td><td>{html.escape(t['rule'])}</td></tr>")
+                         f"<td class={cls}>{outcome}</td><td>{html.escape(t['rule'])}</td></tr>")
         parts.append("</table>")
     parts.append(f"<p class=ci>tokq {html.escape(result['tokq_version'])}</p></body></html>")
     return "\n".join(parts) + "\n"

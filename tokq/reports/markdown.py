@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-METRIC_LABELS = {"kl": "KL(A‖B)", "top1": "top-1 agreement", "delta_nll": "ΔNLL (B − A)", "ppl_ratio": "PPL ratio B/A",
+METRIC_LABELS = {"kl": "KL(A‖B)", "kl_topk": "KL lower bound (top-k + rest)", "top1": "top-1 agreement", "delta_nll": "ΔNLL (B − A)", "ppl_ratio": "PPL ratio B/A",
                  "delta_p": "Δp(actual)", "accept": "expected acceptance"}
 
 
@@ -18,10 +18,20 @@ def _ci(est: dict, metric: str) -> str:
     return f"{_fmt(est['value'], metric)} [{_fmt(est['low'], metric)}, {_fmt(est['high'], metric)}]"
 
 
+def _outcome(t: dict) -> str:
+    return "pass" if t["passed"] else "**INCONCLUSIVE**" if t.get("inconclusive") else "**FAIL**"
+
+
+def verdict_word(thresholds: list[dict]) -> str:
+    """A failed compare's headline: REGRESSION when a rule failed, INCONCLUSIVE when the data decided none
+    of the unmet rules (a KL lower bound under its limit)."""
+    return "INCONCLUSIVE" if all(t["passed"] or t.get("inconclusive") for t in thresholds) else "REGRESSION"
+
+
 def compare_markdown(result: dict) -> str:
     """`tokq compare`'s summary: verdict, overall metrics with 95% CIs per path, position buckets, probes."""
     a, b = result["a"]["name"], result["b"]["name"]
-    verdict = "PASS" if result["passed"] else "REGRESSION"
+    verdict = "PASS" if result["passed"] else verdict_word(result["thresholds"])
     w = result["windows"]
     lines = [f"## tokq compare: {a} → {b}: **{verdict}**", "",
              f"{w['count']} windows of up to {w['window']} tokens from {w['documents']} documents, "
@@ -29,7 +39,7 @@ def compare_markdown(result: dict) -> str:
              f"({result['settings']['resamples']} resamples, seed {result['settings']['seed']}). "
              f"{result['kl_method']}; A's top-k covers {result['coverage_mean']:.1%} of its probability mass on average.",
              ""]
-    metrics = ["kl", "top1", "ppl_ratio", "delta_nll", "delta_p", "accept"]
+    metrics = ["kl", "kl_topk", "top1", "ppl_ratio", "delta_nll", "delta_p", "accept"]
     lines += ["| metric | prefill path | decode path |", "|---|---|---|"]
     for m in metrics:
         pre = result["prefill"]["overall"].get(m)
@@ -52,7 +62,7 @@ def compare_markdown(result: dict) -> str:
         lines += ["", "| threshold | bucket | result | rule |", "|---|---|---|---|"]
         for t in result["thresholds"]:
             lines.append(f"| {t['name']} {t['threshold']} | {t['bucket'] or 'overall'} | "
-                         f"{'pass' if t['passed'] else '**FAIL**'} | {t['rule']} |")
+                         f"{_outcome(t)} | {t['rule']} |")
     tp = result["throughput"]
     lines += ["", f"Scoring: A {tp['a_tokens_per_s'] or 0:.0f} tokens/s"
                   f"{' (from the baseline cache)' if result['cache']['hit'] else ''}, B {tp['b_tokens_per_s'] or 0:.0f} tokens/s."]
