@@ -15,6 +15,8 @@ from tests.test_models_vs_hf import make_hf_checkpoint
 from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
 from tokq.evalsuite.ab import BaselineWindow, token_metrics
+from tokq.evalsuite.compare import evaluate_thresholds
+from tokq.evalsuite.stats import clopper_pearson, proportion
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +147,80 @@ def test_probes_and_a_kv_cache_difference(capsys, models, docs, tmp_path):
     out = tmp_path / "cmp.json"
     code = main(["compare", str(models["a"]), str(models["a"]), "--data", str(docs), "--window", "128", "--threads",
                  "1", "--dtype", "fp32", "--b-kv-dtype", "fp8", "--decode-tokens", "16", "--resamples", "100",
-                 "--probe-max-context", "120", "--json", str(out)])
+                 "--probe-max-context", "120", "--probe-depths", "3", "--probe-repeats", "2", "--json", str(out)])
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["kv_dtype"] == {"a": "auto", "b": "fp8"}
     assert result["decode"]["overall"]["kl"]["value"] > 100 * max(result["noise_floor"]["kl_mean"], 1e-9)
     probes = result["probes"]
-    assert probes["n"] == 5 and probes["a_right_b_wrong"] + probes["a_wrong_b_right"] <= probes["n"]
+    assert probes["n"] == 1 * 3 * 2 and probes["a_right_b_wrong"] + probes["a_wrong_b_right"] <= probes["n"]
+    assert result["settings"]["probe_repeats"] == 2 and result["settings"]["probe_depths"] == [0.0, 0.5, 1.0]
     assert set(probes["a_grid"]) == set(probes["b_grid"]) and 0 <= probes["mcnemar_p"] <= 1
+    assert set(probes["a_grid"]["120"]) == {"0.00", "0.50", "1.00"}
+    for name, count in (("flip_rate", probes["a_right_b_wrong"]), ("a_accuracy", round(probes["a_accuracy"] * 6)),
+                        ("b_accuracy", round(probes["b_accuracy"] * 6))):
+        ci = probes["intervals"][name]
+        assert (ci["low"], ci["high"]) == pytest.approx(clopper_pearson(count, 6)) and ci["n_docs"] == 6
+        assert ci["low"] <= ci["value"] <= ci["high"] and ci["method"].startswith("exact")
+
+
+def test_undecidable_thresholds_are_refused_before_scoring(capsys, models, docs, tmp_path):
+    """Five probes cannot show a flip rate below 0.25 (0 flips: upper bound 0.52); --no-probes cannot show any."""
+    base = ["compare", str(models["a"]), str(models["a"]), "--data", str(docs), "--window", "128", "--threads", "1",
+            "--probe-max-context", "120", "--json", str(tmp_path / "cmp.json")]
+    assert main([*base, "--max-flip-rate", "0.25"]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "--max-flip-rate 0.25 cannot pass with the 5 retrieval probes of this run" in err
+    assert "needs at least 13 probes (has 5): raise --probe-repeats / --probe-depths" in err
+    assert main([*base, "--no-probes", "--max-flip-rate", "0.5"]) == 2
+    assert "0 retrieval probes" in capsys.readouterr().err
+    assert main([*base, "--min-top1", "0"]) == 2
+    assert "cannot fail" in capsys.readouterr().err
+    assert main([*base, "--probe-repeats", "0"]) == 2
+    assert "--probe-repeats 0: must be >= 1" in capsys.readouterr().err.replace("\n", " ")
+    assert not (tmp_path / "cmp.json").exists()
+
+
+def probe_result(n: int, flips: int) -> dict:
+    """What evaluate_thresholds reads of a compare result with n probes, `flips` of them A right and B wrong."""
+    ci = proportion(flips, n).to_json()
+    return {"probes": {"n": n, "flip_rate": flips / n, "intervals": {"flip_rate": ci}}, "prefill": {}}
+
+
+@pytest.mark.parametrize("n,flips,on,outcome", [
+    (5, 0, "bound", "inconclusive"),  # upper bound 0.52 even with no flip: 5 probes cannot show < 0.25
+    (5, 0, "point", "pass"),
+    (5, 5, "bound", "fail"),  # lower bound 0.48 > 0.25: shown above the limit, whatever the probe count
+    (20, 0, "bound", "pass"),
+    (20, 1, "bound", "pass"),  # upper bound 0.249
+    (20, 2, "bound", "fail"),  # upper bound 0.317
+])
+def test_flip_rate_decides_on_the_exact_bound(n, flips, on, outcome):
+    (row,) = evaluate_thresholds(probe_result(n, flips), {"max_flip_rate": {None: 0.25}}, on)
+    got = "pass" if row["passed"] else "inconclusive" if row.get("inconclusive") else "fail"
+    assert got == outcome, row
+    assert row["high"] == pytest.approx(clopper_pearson(flips, n)[1]) and row["value"] == flips / n
+    if outcome == "inconclusive":
+        assert "needs at least 13 probes" in row["rule"]
+
+
+def test_threshold_verdicts_the_data_cannot_give():
+    (none,) = evaluate_thresholds({"probes": None}, {"max_flip_rate": {None: 0.25}})
+    assert not none["passed"] and none["inconclusive"] and "no retrieval probes ran" in none["rule"]
+    one_doc = {"value": 0.2, "low": 0.0, "high": None, "n_tokens": 100, "n_docs": 1}  # JSON's infinite bound
+    result = {"prefill": {"overall": {"kl": one_doc, "kl_p95": {**one_doc, "low": 0.3, "high": 0.4, "n_docs": 30}},
+                          "buckets": {}}}
+    (row,) = evaluate_thresholds(result, {"max_kl": {None: 0.5}})
+    assert not row["passed"] and row["inconclusive"] and "1 document gives no interval" in row["rule"]
+    assert row["high"] is None
+    (tail,) = evaluate_thresholds(result, {"max_kl_p95": {None: 0.5}})
+    assert tail["passed"] and tail["metric"] == "kl_p95"
+    # with the KL estimated from a sample of positions, per-token quantiles are of the top-k lower bound
+    result["kl_estimator"] = {"prefill": {"kind": "estimated"}}
+    (bound,) = evaluate_thresholds(result, {"max_kl_p95": {None: 0.5}})
+    assert not bound["passed"] and bound["inconclusive"] and "lower bound" in bound["rule"]
+    (shown,) = evaluate_thresholds(result, {"max_kl_p95": {None: 0.01}})  # the lower bound itself is above
+    assert not shown["passed"] and not shown["inconclusive"]
 
 
 def test_thresholds_default_from_tokq_toml(capsys, models, docs, tmp_path, monkeypatch):
@@ -178,9 +246,12 @@ def test_report_folder(capsys, models, docs, tmp_path, monkeypatch):
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     folder = tmp_path / "report"
     code, result, _ = compare(capsys, models["a"], models["other"], docs, tmp_path, "--max-kl", "0.01",
-                              "--min-top1", "0.0", "--report-dir", folder)
+                              "--max-rms-delta-p", "0.99", "--report-dir", folder)
     assert code == 1
     assert sorted(p.name for p in folder.iterdir()) == ["junit.xml", "report.html", "report.json", "report.md"]
+    markdown = (folder / "report.md").read_text()
+    assert "| scope | KL p90 | KL p95 | KL p99 | KL p99.9 | KL max | RMS Δp |" in markdown
+    assert "| max_rms_delta_p 0.99 | overall | pass |" in markdown and "Few documents" in markdown
     page = (folder / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == 3 and "REGRESSION" in page
     suite = ET.parse(folder / "junit.xml").getroot().find("testsuite")

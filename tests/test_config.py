@@ -43,7 +43,7 @@ def test_per_bucket_rules(tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.replace('model = "smollm2-135m"', "# no model"), r"tokq.toml:\d+: \[base\] needs model"),
     (lambda s: s.replace("concurrency = 16", "concurrency = \"many\""),
-     r"tokq.toml:21: \[bench\] concurrency = 'many' must be an integer"),
+     r"tokq.toml:22: \[bench\] concurrency = 'many' must be an integer"),
     (lambda s: s.replace("max_kl = 0.05", "max_kl = \"low\""), r"tokq.toml:\d+: \[gate.quality\] max_kl = 'low' must be a number"),
     (lambda s: s.replace("window = 2048", "windw = 2048"), r"\[data.default\] windw is not a known key"),
     (lambda s: s.replace("[bench]\nprompt_len", "[bench]\nspeed = 3\nprompt_len"), r"\[bench\] speed is not a known key"),
@@ -57,6 +57,85 @@ def test_bad_values_name_the_line(tmp_path, edit, message):
     path.write_text(edit(STARTER))
     with pytest.raises(ConfigError, match=message):
         load_project(path)
+
+
+QUICK = '[base]\nmodel = "m"\n[data.default]\npath = "docs"\nwindow = 2048\nprobe_max_context = 1024\n{data}' \
+        '[gate.quality]\n{rules}\n'
+
+
+def quick(tmp_path, rules: str, data: str = "") -> Path:
+    """A tokq.toml with the quickstart's probe grid (window 2048, probes up to 1024: one context, 5 depths)."""
+    path = tmp_path / "tokq.toml"
+    path.write_text(QUICK.format(rules=rules, data=data))
+    return path
+
+
+def test_flip_rule_needs_enough_probes(tmp_path):
+    """0 flips of 5 probes: exact upper 95% bound 1 - 0.025^(1/5) = 0.52, so max_flip_rate 0.25 can never pass."""
+    path = quick(tmp_path, "max_kl = 0.3\nmax_flip_rate = 0.25")
+    with pytest.raises(ConfigError) as err:
+        load_project(path)
+    line = path.read_text().splitlines().index("max_flip_rate = 0.25") + 1
+    message = str(err.value)
+    assert message.startswith(f"{path}:{line}: [gate.quality] max_flip_rate = 0.25 cannot pass"), message
+    assert "5 retrieval probes of [data.default]" in message and "bound is 0.52" in message
+    assert "needs at least 13 probes (has 5): raise probe_repeats / probe_depths" in message
+    # 3 repeats of the 5 depths: 15 probes, best case 0.22 <= 0.25
+    project = load_project(quick(tmp_path, "max_flip_rate = 0.25", "probe_repeats = 3\n"))
+    assert project.data["default"].probe_repeats == 3 and project.data["default"].probe_depths == 5
+    load_project(quick(tmp_path, "max_flip_rate = 0.25", "probe_depths = 13\n"))  # 13 depths x 1
+    with pytest.raises(ConfigError, match=r"needs at least 13 probes \(has 12\)"):
+        load_project(quick(tmp_path, "max_flip_rate = 0.25", "probe_depths = 4\nprobe_repeats = 3\n"))
+    # ci = "point" decides on the estimate: 0 flips of 5 is 0 <= 0.25, so the rule can pass
+    assert load_project(quick(tmp_path, 'ci = "point"\nmax_flip_rate = 0.25')).quality_on == "point"
+    # probes up to the window (4096): contexts 1024, 2048, 4096 x 5 depths = 15 probes
+    path.write_text(QUICK.format(rules="max_flip_rate = 0.25", data="").replace(
+        "window = 2048\nprobe_max_context = 1024", "window = 4096"))
+    load_project(path)
+
+
+@pytest.mark.parametrize("rule,message", [
+    ("max_flip_rate = 1.0", "max_flip_rate = 1 cannot fail: the metric is at most 1"),
+    ("min_top1 = 0", "min_top1 = 0 cannot fail: the metric is at least 0"),
+    ("max_rms_delta_p = 1.5", "max_rms_delta_p = 1.5 cannot fail"),
+    ("max_kl = -0.1", "max_kl = -0.1 cannot pass: the metric is at least 0"),
+    ("max_kl_p99 = -1", "max_kl_p99 = -1 cannot pass"),
+    ("max_ppl_ratio = 0", "max_ppl_ratio = 0 cannot pass: the metric is above 0"),
+    ('min_top1 = { overall = 0.8, "1K-2K" = 1.2 }', r"min_top1 \(1K-2K\) = 1.2 cannot pass: the metric is at most 1"),
+])
+def test_rules_that_cannot_fail_or_cannot_pass(tmp_path, rule, message):
+    with pytest.raises(ConfigError, match=r"tokq.toml:\d+: \[gate.quality\] " + message):
+        load_project(quick(tmp_path, rule, "probe_repeats = 3\n"))
+
+
+def test_one_document_gives_no_interval(tmp_path):
+    with pytest.raises(ConfigError, match=r"max_kl = 0.3 cannot pass with the 1 document of \[data.default\]"):
+        load_project(quick(tmp_path, "max_kl = 0.3", "sample_windows = 1\n"))
+    assert load_project(quick(tmp_path, "max_kl = 0.3", "sample_windows = 2\n")).quality[0].name == "max_kl"
+    assert load_project(quick(tmp_path, 'ci = "point"\nmax_kl = 0.3', "sample_windows = 1\n")).quality_on == "point"
+
+
+def test_probes_to_pass_is_the_smallest_sufficient_grid():
+    from tokq.evalsuite.power import probes_to_pass
+    from tokq.evalsuite.stats import clopper_pearson
+
+    for threshold in (0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.52, 0.9):
+        n = probes_to_pass(threshold)
+        assert clopper_pearson(0, n)[1] <= threshold, threshold
+        assert n == 1 or clopper_pearson(0, n - 1)[1] > threshold, threshold
+    assert probes_to_pass(0.25) == 13 and probes_to_pass(0.0) is None
+
+
+def test_the_quickstart_rules_are_decidable():
+    """examples/quickstart/tokq.toml loads: its probe grid is large enough for its max_flip_rate."""
+    from tokq.evalsuite.power import probes_to_pass
+    from tokq.longctx.probes import probe_grid
+
+    project = load_project(Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "tokq.toml")
+    data = project.data["default"]
+    grid = probe_grid(data.window, data.probe_max_context, data.probe_depths, data.probe_repeats)
+    flip = next(r for r in project.quality if r.name == "max_flip_rate")
+    assert grid.size >= probes_to_pass(flip.threshold)
 
 
 def test_missing_file_points_to_init(tmp_path):

@@ -29,8 +29,10 @@ from tokq.longctx.probes import (
     build_probes,
     compare_probe_results,
     default_contexts,
+    evenly_spaced_depths,
     extract_key,
     is_correct,
+    probe_grid,
     run_probes,
 )
 
@@ -70,6 +72,28 @@ def test_default_contexts() -> None:
 
 
 # --- building -----------------------------------------------------------------------------------
+
+
+def test_probe_grid_is_what_build_probes_builds() -> None:
+    """The grid the power check counts is the grid compare runs: contexts from the window or probe_max_context
+    (capped by the engine's length less the answer's tokens), depths evenly spaced, repeats."""
+    assert evenly_spaced_depths(5) == DEFAULT_DEPTHS and evenly_spaced_depths(1) == (0.5,)
+    assert evenly_spaced_depths(3) == (0.0, 0.5, 1.0)
+    grid = probe_grid(2048, 1024, 5, 3)
+    assert (grid.contexts, grid.repeats, grid.size) == ((1024,), 3, 15)
+    assert probe_grid(2048, None, 5, 1).contexts == (1024, 2048)
+    assert probe_grid(2048, None, 5, 1, max_model_len=2048).contexts == (1024, 2040)  # 8 tokens to answer
+    assert probe_grid(4096, None, 4, 2).size == 3 * 4 * 2
+    small = probe_grid(300, 200, 2, 3)
+    probes = build_probes([cat_doc()], tiny_hf_tokenizer(), small.contexts, small.depths, add_bos=True,
+                          repeats=small.repeats)
+    assert len(probes) == small.size == 6
+    assert sorted({(p.depth, p.repeat) for p in probes}) == [(d, r) for d in (0.0, 1.0) for r in range(3)]
+    assert len({p.key for p in probes}) == 6  # every repeat has its own key
+    with pytest.raises(ProbeError, match="at least 1"):
+        evenly_spaced_depths(0)
+    with pytest.raises(ProbeError, match="at least 1"):
+        probe_grid(2048, None, 5, 0)
 
 
 @pytest.mark.parametrize("add_bos", [True, False])

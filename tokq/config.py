@@ -45,8 +45,11 @@ from typing import Any
 from tokq.errors import ConfigError
 from tokq.project import load_config
 
-QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max"}
-DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context"}
+QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max",
+                 "max_kl_p90": "max", "max_kl_p95": "max", "max_kl_p99": "max", "max_kl_p999": "max",
+                 "max_rms_delta_p": "max"}
+DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context", "probe_depths",
+             "probe_repeats"}
 # Speed rules: the variant against the base on the [bench] workload, measured as one paired experiment
 # (evalsuite.gate_rules maps each to its metric). "speedup": base / variant for times, variant / base for
 # throughputs (higher is better); "ratio": variant / base (lower is better).
@@ -73,6 +76,8 @@ class DataSet:
     max_tokens: int | None = None
     sample_windows: int | None = None
     probe_max_context: int | None = None  # longest passkey probe context (default: the window)
+    probe_depths: int = 5  # needle depths per probe context, evenly spaced 0..1
+    probe_repeats: int = 1  # probes (each its own key) per (context, depth)
 
 
 @dataclass
@@ -229,6 +234,9 @@ def load_project(path: Path) -> Project:
     # `tokq compare` reads [compare.thresholds] itself; checked here too so a gate run never carries a bad one.
     compare = check.table(raw, "compare", {"thresholds"})
     _rules(check, compare, "compare.thresholds", QUALITY_RULES, buckets=True)
+    from tokq.evalsuite.power import check_project
+
+    check_project(project)  # a rule its sample cannot decide (too few probes, an impossible limit): its line
     return project
 
 
@@ -341,6 +349,7 @@ int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme =
 path = "~/.cache/tokq/data/default"   # your long documents (txt, md, rst, jsonl, .gz)
 window = 2048                          # tokens per scored window
 sample_windows = 16                    # windows spread evenly over the documents
+probe_repeats = 2                      # passkey probes per (context, depth): 2 contexts x 5 depths x 2 = 20
 
 [bench]
 prompt_len = 512
@@ -358,7 +367,8 @@ ci = "bound"
 max_kl = 0.05                 # mean KL(base || variant), or per bucket: { overall = 0.05, "4K-8K" = 0.1 }
 min_top1 = 0.85               # top-1 agreement with the base
 max_ppl_ratio = 1.10          # perplexity ratio variant / base
-max_flip_rate = 0.20          # passkey probes the base answers and the variant misses
+max_flip_rate = 0.20          # passkey probes the base answers and the variant misses (exact upper bound:
+                              # 0.20 needs >= 17 probes even with no flip; the gate refuses fewer)
 
 [gate.speed]
 min_tpot_speedup = 1.2        # TPOT(base) / TPOT(variant) on the [bench] workload

@@ -25,6 +25,8 @@ results on the same probes and counts the flips (right for A and wrong for B, an
 Contexts are taken as given: the caller must refuse contexts the model cannot hold. A probe
 needs `context + max_new_tokens` positions, so pass
 `default_contexts(max_model_len - max_new_tokens)` (run_probes checks it against the engine).
+`probe_grid` is that choice made once: the contexts, depths and repeats `tokq compare` runs, and
+the probe count the gate's power check (evalsuite.power) sizes a flip-rate rule by.
 """
 
 from __future__ import annotations
@@ -139,6 +141,45 @@ def default_contexts(max_context: int, smallest: int = 1024) -> list[int]:
     if not contexts or contexts[-1] < max_context:
         contexts.append(max_context)
     return contexts
+
+
+def evenly_spaced_depths(count: int) -> tuple[float, ...]:
+    """`count` needle depths spread evenly over 0.0 .. 1.0 (5 -> 0, 0.25, 0.5, 0.75, 1; 1 -> the middle)."""
+    if count < 1:
+        raise ProbeError(f"probe depths must be at least 1, got {count}")
+    if count == 1:
+        return (0.5,)
+    return tuple(i / (count - 1) for i in range(count))
+
+
+@dataclass(frozen=True)
+class ProbeGrid:
+    """The probes one comparison runs: every (context, depth) `repeats` times, each with its own key."""
+
+    contexts: tuple[int, ...]
+    depths: tuple[float, ...]
+    repeats: int
+
+    @property
+    def size(self) -> int:
+        return len(self.contexts) * len(self.depths) * self.repeats
+
+
+def probe_grid(window: int, probe_max_context: int | None, depths: Sequence[float] | int = DEFAULT_DEPTHS,
+               repeats: int = 1, max_model_len: int | None = None,
+               max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> ProbeGrid:
+    """The probe grid of a comparison: contexts `default_contexts(min(probe_max_context or window,
+    max_model_len - max_new_tokens))` (the engine's length unknown, e.g. when a config is checked before
+    any model is loaded: the first term alone), `depths` (a count: evenly spaced) and `repeats`."""
+    if isinstance(depths, int):
+        depths = evenly_spaced_depths(depths)
+    if repeats < 1:
+        raise ProbeError(f"probe repeats must be at least 1, got {repeats}")
+    longest = probe_max_context or window
+    if max_model_len is not None:
+        longest = min(longest, max_model_len - max_new_tokens)
+    contexts = tuple(default_contexts(longest)) if longest >= 1 else ()
+    return ProbeGrid(contexts, tuple(float(d) for d in depths), int(repeats))
 
 
 def extract_key(text: str) -> str | None:

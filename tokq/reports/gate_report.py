@@ -15,7 +15,7 @@ from tokq.reports import plots
 from tokq.reports.folder import write_report_folder
 from tokq.reports.html import STYLE
 from tokq.reports.junit import junit_xml
-from tokq.reports.markdown import compare_markdown
+from tokq.reports.markdown import compare_markdown, probes_line
 
 
 def _value(r: dict) -> str:
@@ -148,7 +148,7 @@ def gate_html(report: dict) -> str:
     for name, result in results.items():
         probes = result.get("probes")
         if probes:
-            parts += [f"<h2>Retrieval probes: {html.escape(name)}</h2>",
+            parts += [f"<h2>Retrieval probes: {html.escape(name)}</h2>", f"<p>{html.escape(probes_line(probes))}</p>",
                       f'<img alt="probe grid base" src="{plots.probe_grid(probes, "a", "base")}"> '
                       f'<img alt="probe grid {html.escape(name)}" src="{plots.probe_grid(probes, "b", name)}">']
     parts.append(f"<p class=ci>tokq {html.escape(report['tokq_version'])}</p></body></html>")

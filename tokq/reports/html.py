@@ -5,11 +5,12 @@ from __future__ import annotations
 import html
 
 from tokq.reports import plots
-from tokq.reports.markdown import METRIC_LABELS, verdict_word
+from tokq.reports.markdown import METRIC_LABELS, probes_line, verdict_word
 
 
 def _ci(est: dict, pct: bool = False) -> str:
-    f = (lambda v: f"{v:.2%}") if pct else (lambda v: f"{v:.4f}")
+    """value [low, high]; a bound the sample does not give (one document, a maximum) shows as '-'."""
+    f = (lambda v: "-" if v is None else f"{v:.2%}") if pct else (lambda v: "-" if v is None else f"{v:.4f}")
     return f"{f(est['value'])} <span class=ci>[{f(est['low'])}, {f(est['high'])}]</span>"
 
 
@@ -52,9 +53,7 @@ def compare_html(result: dict) -> str:
     probes = result.get("probes")
     if probes:
         parts += ["<h2>Retrieval probes</h2>",
-                  f"<p>A {probes['a_accuracy']:.0%}, B {probes['b_accuracy']:.0%}; A right → B wrong "
-                  f"{probes['a_right_b_wrong']}, A wrong → B right {probes['a_wrong_b_right']} (exact McNemar p = "
-                  f"{probes['mcnemar_p']:.3g}).</p>",
+                  f"<p>{html.escape(probes_line(probes))}</p>",
                   f'<img alt="probe grid A" src="{plots.probe_grid(probes, "a")}"> '
                   f'<img alt="probe grid B" src="{plots.probe_grid(probes, "b")}">']
     if result["thresholds"]:

@@ -9,7 +9,7 @@ METRIC_LABELS = {"kl": "KL(A‖B)", "kl_topk": "KL lower bound (top-k + rest)", 
 def _fmt(value: float | None, metric: str) -> str:
     if value is None:
         return "-"
-    if metric in ("top1", "accept"):
+    if metric in ("top1", "accept", "rms_delta_p"):
         return f"{value:.2%}"
     return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
 
@@ -26,6 +26,65 @@ def verdict_word(thresholds: list[dict]) -> str:
     """A failed compare's headline: REGRESSION when a rule failed, INCONCLUSIVE when the data decided none
     of the unmet rules (a KL lower bound under its limit)."""
     return "INCONCLUSIVE" if all(t["passed"] or t.get("inconclusive") for t in thresholds) else "REGRESSION"
+
+
+def probes_line(probes: dict) -> str:
+    """The probes' accuracies and flip rate, each with its exact 95% interval (older results: without)."""
+    ci = probes.get("intervals") or {}
+
+    def share(name: str, value: float) -> str:
+        est = ci.get(name)
+        return f"{value:.0%}" + (f" [{est['low']:.0%}, {est['high']:.0%}]" if est else "")
+
+    return (f"Retrieval probes ({probes['n']}): A {share('a_accuracy', probes['a_accuracy'])}, B "
+            f"{share('b_accuracy', probes['b_accuracy'])}; A right → B wrong {probes['a_right_b_wrong']} (flip rate "
+            f"{share('flip_rate', probes['flip_rate'])}), A wrong → B right {probes['a_wrong_b_right']} "
+            f"(exact McNemar p = {probes['mcnemar_p']:.3g}; intervals: exact Clopper-Pearson 95%).")
+
+
+TAIL_COLUMNS = [("kl_p90", "KL p90"), ("kl_p95", "KL p95"), ("kl_p99", "KL p99"), ("kl_p999", "KL p99.9"),
+                ("kl_max", "KL max"), ("rms_delta_p", "RMS Δp")]
+
+
+def _few_documents(result: dict) -> list[str]:
+    """One line naming the intervals that rest on fewer documents than the table's warnings threshold."""
+    few = []
+    for path in ("prefill", "decode"):
+        table = result.get(path) or {}
+        if table.get("warnings"):
+            scopes = [("overall", table["overall"]), *table["buckets"].items()]
+            few += [f"{path} {scope} ({ests['kl']['n_docs']})" for scope, ests in scopes
+                    if any(e.get("warning") for e in ests.values())]
+    if not few:
+        return []
+    from tokq.evalsuite.stats import FEW_DOCUMENTS
+
+    return ["", f"Few documents: the intervals of {', '.join(few)} rest on fewer than {FEW_DOCUMENTS} documents and "
+                "may not hold; score more documents for intervals to rely on."]
+
+
+def _kl_tails(result: dict) -> list[str]:
+    """Per-token KL quantiles and RMS Δp as llama.cpp's KLD report gives them, per path and prefill bucket."""
+    pre = result["prefill"]
+    if "kl_p95" not in pre["overall"]:
+        return []
+    source = "" if pre.get("kl_tails_from", "kl") == "kl" else (
+        " The KL here is each token's top-k + rest lower bound (the full KL is only estimated in the mean), so its "
+        "quantiles are lower bounds.")
+    rows = [("prefill", pre["overall"]), *((f"prefill {label}", est) for label, est in pre["buckets"].items())]
+    if result.get("decode"):
+        rows.insert(1, ("decode", result["decode"]["overall"]))
+    lines = ["", "KL tail over the scored tokens (95% percentile intervals from the document bootstrap; the maximum "
+                 f"has none).{source}", "",
+             "| scope | " + " | ".join(label for _, label in TAIL_COLUMNS) + " |",
+             "|---" * (len(TAIL_COLUMNS) + 1) + "|"]
+    for scope, ests in rows:
+        cells = []
+        for name, _ in TAIL_COLUMNS:
+            est = ests.get(name)
+            cells.append("-" if est is None else _fmt(est["value"], name) if name == "kl_max" else _ci(est, name))
+        lines.append(f"| {scope} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def compare_markdown(result: dict) -> str:
@@ -53,11 +112,11 @@ def compare_markdown(result: dict) -> str:
     for label, est in result["prefill"]["buckets"].items():
         lines.append(f"| {label} | {est['kl']['n_tokens']} | {_ci(est['kl'], 'kl')} | {_ci(est['top1'], 'top1')} | "
                      f"{_ci(est['ppl_ratio'], 'ppl_ratio')} |")
+    lines += _kl_tails(result)
+    lines += _few_documents(result)
     probes = result.get("probes")
     if probes:
-        lines += ["", f"Retrieval probes ({probes['n']}): A {probes['a_accuracy']:.0%}, B {probes['b_accuracy']:.0%}; "
-                      f"A right → B wrong {probes['a_right_b_wrong']}, A wrong → B right {probes['a_wrong_b_right']} "
-                      f"(exact McNemar p = {probes['mcnemar_p']:.3g})."]
+        lines += ["", probes_line(probes)]
     if result["thresholds"]:
         lines += ["", "| threshold | bucket | result | rule |", "|---|---|---|---|"]
         for t in result["thresholds"]:

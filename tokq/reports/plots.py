@@ -28,8 +28,11 @@ def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: st
         buckets = result[path]["buckets"]
         labels = list(buckets)
         values = [buckets[b][metric]["value"] for b in labels]
-        low = [v - buckets[b][metric]["low"] for v, b in zip(values, labels, strict=True)]
-        high = [buckets[b][metric]["high"] - v for v, b in zip(values, labels, strict=True)]
+        # a bound the sample does not give (null in the JSON: one document) draws no bar on that side
+        low = [0.0 if buckets[b][metric]["low"] is None else v - buckets[b][metric]["low"]
+               for v, b in zip(values, labels, strict=True)]
+        high = [0.0 if buckets[b][metric]["high"] is None else buckets[b][metric]["high"] - v
+                for v, b in zip(values, labels, strict=True)]
         xs = [x + 0.06 * (i - (len(results) - 1) / 2) for x in range(len(labels))]
         ax.errorbar(xs, values, yerr=[low, high], marker="o", capsize=3, label=name)
         ax.set_xticks(range(len(labels)), labels)
