@@ -21,7 +21,7 @@ degrees of freedom for documents of unequal sizes (`effective_df`). A percentile
 method, `interval="percentile"`) inherits the narrowness and skew of a bootstrap distribution built from
 few documents: on simulated clustered data shaped on a real comparison (skewed per-document KL,
 documents of 200..2000 tokens, correlated tokens; tests/test_stats.py) it covers the true mean in ~85%
-of runs at 8 documents and ~93% at 50; this interval in >= 95% at both. Bounds are clipped to the
+of runs at 8 documents and ~93% at 50; this interval in 94-97% at both. Bounds are clipped to the
 metric's range (KL >= 0, agreement in [0, 1], ...), which never loses coverage. With one document there
 is no interval: the bounds are the metric's range. Fewer than `FEW_DOCUMENTS` documents put a warning on
 the estimate (`Estimate.warning`): the interval rests on few clusters.
