@@ -266,6 +266,10 @@ def test_compare_probe_results_counts_flips() -> None:
     assert cmp["flips_a_right_b_wrong"] == [(1024, 0.5), (2048, 0.5)]
     assert cmp["flips_a_wrong_b_right"] == [(2048, 0.0)]
     assert cmp["accuracy_a"] == pytest.approx(4 / 6) and cmp["accuracy_b"] == pytest.approx(3 / 6)
+    flips = cmp["intervals"]["flip_rate"]  # exact: 2 of 6
+    assert flips["value"] == pytest.approx(2 / 6) and flips["n_docs"] == 6
+    assert (flips["low"], flips["high"]) == pytest.approx((0.0433, 0.7772), abs=1e-4)
+    assert cmp["intervals"]["accuracy_b"]["low"] < 0.5 < cmp["intervals"]["accuracy_b"]["high"]
     assert cmp["grid_a"]["grid"][1024][0.5] == 1.0 and cmp["grid_b"]["grid"][1024][0.5] == 0.0
     same = compare_probe_results(a, a)
     assert same["a_right_b_wrong"] == same["a_wrong_b_right"] == 0 and same["flip_rate"] == 0.0

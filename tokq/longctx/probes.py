@@ -464,7 +464,8 @@ def _identities(results: Sequence[ProbeResult]) -> list[tuple[int, float, str, i
 def compare_probe_results(results_a: Sequence[ProbeResult], results_b: Sequence[ProbeResult]) -> dict[str, Any]:
     """Pair A's and B's results on the same probes (by context, depth and key) and count how
     they agree. `flip_rate` is the share of probes A got right and B wrong (the regressions),
-    `reverse_flip_rate` the share A got wrong and B right; the flipped probes are listed as
+    `reverse_flip_rate` the share A got wrong and B right; each of those and both accuracies has its
+    exact (Clopper-Pearson) 95% interval under "intervals". The flipped probes are listed as
     (context, depth) in increasing order. Raises ProbeError when the two sets of probes differ."""
     a, b = list(results_a), list(results_b)
     ids_a, ids_b = _identities(a), _identities(b)
@@ -479,6 +480,7 @@ def compare_probe_results(results_a: Sequence[ProbeResult], results_b: Sequence[
         )
     if not a:
         raise ProbeError("no probe results to compare")
+    from tokq.evalsuite.stats import proportion  # lazy: the statistics need scipy only here
     counts = Counter()
     a_right_b_wrong: list[tuple[int, float]] = []
     a_wrong_b_right: list[tuple[int, float]] = []
@@ -505,6 +507,9 @@ def compare_probe_results(results_a: Sequence[ProbeResult], results_b: Sequence[
         "reverse_flip_rate": counts["a_wrong_b_right"] / n,
         "accuracy_a": _accuracy(a),
         "accuracy_b": _accuracy(b),
+        "intervals": {name: proportion(k, n).to_json() for name, k in (
+            ("flip_rate", counts["a_right_b_wrong"]), ("reverse_flip_rate", counts["a_wrong_b_right"]),
+            ("accuracy_a", sum(r.correct for r in a)), ("accuracy_b", sum(r.correct for r in b)))},
         "flips_a_right_b_wrong": sorted(a_right_b_wrong),
         "flips_a_wrong_b_right": sorted(a_wrong_b_right),
         "grid_a": accuracy_grid(a),
