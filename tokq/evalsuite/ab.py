@@ -137,7 +137,8 @@ def score_candidate(engine: LLMEngine, windows: Sequence[TokenWindow], baseline:
         "doc_index")}
     for window, base, score, doc in zip(windows, baseline, scores, doc_index, strict=True):
         rows = scored_rows(window)
-        metrics = token_metrics(base, score.logprobs[rows], score.topk_logprobs[rows, 0], score.gathered[rows])
+        metrics = token_metrics(base, score.logprobs[rows], score.topk_logprobs[rows, 0], score.gathered[rows],
+                                engine.model.config.vocab_size)
         metrics.update(_tail_estimate(base, metrics["kl_topk"], score.gathered[rows], score.full_logprobs))
         for key, value in metrics.items():
             parts[key].append(value)
@@ -148,16 +149,17 @@ def score_candidate(engine: LLMEngine, windows: Sequence[TokenWindow], baseline:
 
 
 def token_metrics(base: BaselineWindow, logprob_b: torch.Tensor, max_logprob_b: torch.Tensor,
-                  gathered_b: torch.Tensor) -> dict[str, torch.Tensor]:
+                  gathered_b: torch.Tensor, vocab: int | None = None) -> dict[str, torch.Tensor]:
     """The module docstring's metrics for one window's rows (float64 where mass sums need it).
 
-    `max_logprob_b`: B's largest log-probability per row; `gathered_b`: B's at A's top-k ids (A's argmax first)."""
+    `max_logprob_b`: B's largest log-probability per row; `gathered_b`: B's at A's top-k ids (A's argmax first);
+    `vocab`: the vocabulary size, when known (k = vocab: the rows are whole distributions, no bucket)."""
     la, lb = base.logprob.double(), logprob_b.double()
     lp, lq = base.topk_logprobs.double(), gathered_b.double()
     p, q = lp.exp(), lq.exp()
     mass_p = p.sum(-1).clamp(max=1.0)
     mass_q = q.sum(-1).clamp(max=1.0)
-    kl = bucket_kl(lp, lq).clamp_min(0.0)  # tiny negatives are rounding
+    kl = bucket_kl(lp, lq, whole=vocab is not None and lp.shape[-1] >= vocab).clamp_min(0.0)  # negatives: rounding
     accept = torch.minimum(p, q).sum(-1) + torch.minimum((1 - mass_p).clamp_min(0), 1 - mass_q)
     return {"kl_topk": kl.float(), "top1": (gathered_b[:, 0] >= max_logprob_b).float(),
             "delta_nll": (la - lb).float(), "delta_p": (lb.exp() - la.exp()).float(),

@@ -1,10 +1,10 @@
 """The baseline cache: A's top-k scores per window, kept under $TOKQ_HOME so a CI rerun scores only B.
 With them, per window, what the full-vocabulary KL needs of A at the positions sampled for it (evalsuite.full_kl):
-the rows, A's tail probabilities there (fp16, vocabulary wide), two float64 scalars per row, and the
+the rows, A's tail probabilities there (bf16, vocabulary wide), two float64 scalars per row, and the
 inclusion probability.
 
-Key: sha256 of (model hash, data hash, window, stride, max tokens, top-k, path, dtype, KV dtype, tokq
-version). The model hash covers the checkpoint's config, weights and quantization files (content, so a
+Key: sha256 of (model hash, data hash, window, stride, max tokens, top-k, full-KL rows and seed, path, dtype,
+KV dtype, tokq version). The model hash covers the checkpoint's config, weights and quantization files (content, so a
 re-quantized checkpoint at the same path misses); the data hash covers the windows' token ids (documents
 and tokenizer together). Any change gives a new key; old entries stay until `--clear-cache` or deletion.
 

@@ -7,8 +7,9 @@ decode path on a sample of windows) -> B scored at A's top-k ids -> metrics (eva
 (evalsuite.stats) -> thresholds. A and B are never loaded at the same time.
 
 KL: on each path both models also score `full_kl_rows` sampled positions over the whole vocabulary (what
-the KL needs of A's rows goes into the baseline cache, fp16), so `kl` is the full-vocabulary KL, exact or estimated with its
-interval, and `kl_topk` its top-k lower bound (evalsuite.full_kl; `kl_estimator` in the JSON says which).
+the KL needs of A's rows goes into the baseline cache, bf16), so `kl` is the full-vocabulary KL, exact or
+estimated with its interval, and `kl_topk` its top-k lower bound (evalsuite.full_kl; `kl_estimator` in the
+JSON says which).
 
 Decode-path check: on `decode_windows` windows, the last `decode_tokens` positions are scored one token
 per step through the decode kernels and the KV cache, for both models, and reported separately (a
@@ -50,7 +51,8 @@ class CompareSettings:
     window: int = 2048
     stride: int | None = None
     max_tokens: int | None = None
-    topk: int = 64
+    # k = 256 with 256 full rows: the estimate within 1% of the exact KL on SmolLM2 (benchmarks/kl_topk.py)
+    topk: int = 256
     full_kl_rows: int = 256  # per path: positions both models score over the whole vocabulary (0: lower bound only)
     decode_windows: int = 2
     decode_tokens: int = 128
@@ -144,7 +146,8 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
     b_seconds = time.perf_counter() - start
     scored_tokens = sum(len(w.tokens) for w in wins) + sum(len(w.tokens) for w in dwins)
     kl_estimator = {"topk": s.topk, "vocab": vocab, "full_kl_rows": s.full_kl_rows, "seed": s.seed,
-                    "a_tail_dtype": str(A_TAIL_DTYPE).removeprefix("torch."), "prefill": _kl_path(prefill, s.topk, vocab),
+                    "a_tail_dtype": str(A_TAIL_DTYPE).removeprefix("torch."),
+                    "prefill": _kl_path(prefill, s.topk, vocab),
                     "decode": _kl_path(decode, s.topk, vocab) if decode is not None else None}
 
     result = {
@@ -217,7 +220,8 @@ def _kl_method(est: dict) -> str:
         where = " and ".join(name for name, value in kinds.items() if value == kind) + " path"
         rows = " / ".join(f"{est[n]['full_rows']} of {est[n]['tokens']}" for n, v in kinds.items() if v == kind)
         if kind == "exact" and k >= est["vocab"]:
-            parts.append(f"{where}: KL(A||B) exact over the whole vocabulary (top-k = the vocabulary of {est['vocab']})")
+            parts.append(f"{where}: KL(A||B) exact over the whole vocabulary (top-k = the vocabulary of "
+                         f"{est['vocab']})")
         elif kind == "exact":
             parts.append(f"{where}: KL(A||B) exact over the whole vocabulary (both models scored every position in "
                          f"full, A's tail probabilities kept in {est['a_tail_dtype']}; kl_topk: its top-{k} + rest "

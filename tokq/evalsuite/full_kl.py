@@ -22,14 +22,15 @@ varies less than independent ones, so that interval errs wide, not narrow).
   limit) or be inconclusive (`lower_bound_verdict`), never pass.
 
 What a baseline keeps of A at a sampled row (`a_tail`) is only what the gap needs: A's tail probabilities
-p̃ (every token but its top-k) in fp16, rounded to nearest, and two float64 scalars: c = Σ_tail p̃ log p and
+p̃ (every token but its top-k) in bf16, rounded to nearest, and two float64 scalars: c = Σ_tail p̃ log p and
 the fp32 row's normalisation error z = logsumexp(log p) (≈ 1e-7; A's top-k log-probabilities minus z are
 exactly normalised). With B's whole row (fp32, renormalised in float64) the row's full KL is
-Σ_topk p log(p/q) + c − Σ_tail p̃ log q, linear in p̃: fp16 rounding adds zero-mean noise of relative size
-~2^-12, not a bias (rounding A's log-probabilities instead would bias every gap upward by KL(Ã‖A), visible
-against an fp32 noise floor); with both rows exactly normalised, kernel noise between A and B enters only at
-second order, as in `kl_topk`. g = that full KL − `kl_topk`'s own value is therefore not clamped at 0 and
-can be a rounding error below it when A and B agree.
+Σ_topk p log(p/q) + c − Σ_tail p̃ log q, linear in p̃: bf16 rounding adds zero-mean noise of relative size
+≤ 2^-9 per token, not a bias. (Rounding A's log-probabilities instead would bias every gap upward by KL(Ã‖A),
+visible against an fp32 noise floor; fp16 probabilities flush the many tokens below 3e-8 to zero, a bias
+of ~3e-4 of the KL on SmolLM2, whatever k: bf16 keeps fp32's exponent range.) With both rows exactly
+normalised, kernel noise between A and B enters only at second order, as in `kl_topk`. g = that full KL
+− `kl_topk`'s own value is therefore not clamped at 0 and can be a rounding error below it when A and B agree.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 
 from tokq.evalsuite.stats import Estimate
 
-A_TAIL_DTYPE = torch.float16  # A's stored tail probabilities: half the bytes of fp32, unbiased rounding
+A_TAIL_DTYPE = torch.bfloat16  # A's stored tail probabilities: half of fp32's bytes, its exponent range
 KINDS = ("exact", "estimated", "lower_bound")
 _ROWS_AT_ONCE = 32  # float64 rows in flight (32 x 262K x 8 B = 67 MB for Gemma 3's vocabulary)
 _EMPTY = torch.zeros(0, dtype=torch.float64)
@@ -95,9 +96,14 @@ def _rest_kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
     return torch.where(rest_p > 0, rest_p * (rest_p.clamp_min(1e-30).log() - rest_q.log()), torch.zeros_like(rest_p))
 
 
-def bucket_kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+def bucket_kl(lp: torch.Tensor, lq: torch.Tensor, whole: bool = False) -> torch.Tensor:
     """Per row, KL over k ids plus one bucket for everything else, from float64 log-probabilities [n, k] of
-    A (lp) and B (lq) at the same ids: Σ p log(p/q) + (1 − P) log((1 − P)/(1 − Q))."""
+    A (lp) and B (lq) at the same ids: Σ p log(p/q) + (1 − P) log((1 − P)/(1 − Q)). `whole`: the k ids are the
+    whole vocabulary, so there is no bucket: both rows are renormalised instead (an fp32 row's normalisation
+    error would enter at first order, and a bucket of rounding residue 1e-7 against an empty one adds ~5e-6)."""
+    if whole:
+        lp, lq = lp - lp.logsumexp(-1, keepdim=True), lq - lq.logsumexp(-1, keepdim=True)
+        return _xlogy_rows(lp.exp(), lp - lq)
     return _xlogy_rows(lp.exp(), lp - lq) + _rest_kl(lp, lq)
 
 
@@ -116,7 +122,7 @@ def full_row_kl(full_a: torch.Tensor, full_b: torch.Tensor) -> torch.Tensor:
 class ATail:
     """What the full KL needs of A's whole rows at the sampled positions (see the module docstring)."""
 
-    probs: torch.Tensor  # fp16 [m, vocab]: p̃, A's probabilities with its top-k ids zeroed
+    probs: torch.Tensor  # bf16 [m, vocab]: p̃, A's probabilities with its top-k ids zeroed
     plogp: torch.Tensor  # float64 [m]: c = Σ_tail p̃ log p
     lognorm: torch.Tensor  # float64 [m]: z, the fp32 row's logsumexp
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-METRIC_LABELS = {"kl": "KL(A‖B)", "kl_topk": "KL lower bound (top-k + rest)", "top1": "top-1 agreement", "delta_nll": "ΔNLL (B − A)", "ppl_ratio": "PPL ratio B/A",
+METRIC_LABELS = {"kl": "KL(A‖B)", "kl_topk": "KL lower bound (top-k + rest)", "top1": "top-1 agreement",
+                 "delta_nll": "ΔNLL (B − A)", "ppl_ratio": "PPL ratio B/A",
                  "delta_p": "Δp(actual)", "accept": "expected acceptance"}
 
 
