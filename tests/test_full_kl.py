@@ -231,7 +231,7 @@ def test_lower_bound_only_compare_is_inconclusive_or_fails(capsys, models, docs,
     code, result, text = compare(capsys, models["a"], models["other"], docs, tmp_path / "i", *args, "--max-kl", 100)
     rule = result["thresholds"][0]
     assert result["kl_estimator"]["prefill"]["kind"] == "lower_bound" and "lower bound" in result["kl_method"]
-    assert code == 1 and not result["passed"] and rule["inconclusive"] and "INCONCLUSIVE" in text
+    assert code == 3 and not result["passed"] and rule["inconclusive"] and "INCONCLUSIVE" in text  # exit 3: undecided
     low = result["prefill"]["overall"]["kl"]["low"]
     code, result, text = compare(capsys, models["a"], models["other"], docs, tmp_path / "f", *args, "--max-kl",
                                  low / 2)

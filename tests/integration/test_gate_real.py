@@ -21,7 +21,8 @@ def test_gate_passes_int8_and_fails_int3_per_channel(tmp_path, monkeypatch, caps
     monkeypatch.setattr(baseline_cache, "cache_dir", lambda: tmp_path / "cache")  # models stay in the shared home
     docs = tmp_path / "docs"
     docs.mkdir()
-    for name in ("argparse.py", "textwrap.py"):  # real long documents
+    # real long documents, six of them: intervals over documents need more than two to say anything
+    for name in ("argparse.py", "textwrap.py", "difflib.py", "pathlib.py", "calendar.py", "string.py"):
         source = Path(sysconfig.get_paths()["stdlib"]) / name
         (docs / f"{name}.txt").write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
     (tmp_path / "tokq.toml").write_text('''[base]
@@ -35,7 +36,7 @@ int3 = { path = "built/int3", recipe = { method = "rtn", bits = 3, group_size = 
 [data.docs]
 path = "docs"
 window = 512
-max_tokens = 1536
+sample_windows = 6
 probe_max_context = 256
 
 [bench]

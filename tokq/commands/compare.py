@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tokq.errors import EXIT_CHECK_FAILED
+from tokq.errors import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE
 
 console = Console(stderr=True)
 BASE_NAMES = ("fp16", "bf16", "base")
@@ -280,4 +280,6 @@ def compare_cmd(
 
         console.print(f"report: {write_report(report_dir, result)}")
     if not result["passed"]:
-        raise typer.Exit(EXIT_CHECK_FAILED)
+        # a rule the data could not decide (all unmet rules inconclusive) is exit 3, never a pass or a regression
+        undecided = all(t["passed"] or t.get("inconclusive") for t in result["thresholds"])
+        raise typer.Exit(EXIT_INCONCLUSIVE if undecided else EXIT_CHECK_FAILED)
