@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-gate-runs", type=int, default=0)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="override [bench] max_seconds (a shorter budget is a harder test: wider intervals)")
     args = parser.parse_args()
 
     from tokq.config import load_project
@@ -104,6 +106,8 @@ def main() -> None:
 
     runtime = setup_runtime(args.threads, "auto", args.seed)
     project = load_project(args.config)
+    if args.max_seconds:
+        project.bench.max_seconds = args.max_seconds
     names = list(project.variants)
     runs = []
     started = time.perf_counter()
