@@ -5,6 +5,8 @@ reference log-probabilities within 1e-4 on both the prefill and the decode path;
 from __future__ import annotations
 
 import json
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,8 +87,11 @@ def test_compare_cli_on_smollm2(tmp_path, monkeypatch):
     monkeypatch.setattr(baseline_cache, "cache_dir", lambda: tmp_path / "cache")  # models stay in the shared home
 
     docs = real_document(tmp_path)
+    for name in ("textwrap.py", "difflib.py", "calendar.py"):  # intervals over documents need more than one
+        source = Path(sysconfig.get_paths()["stdlib"]) / name
+        (docs / f"{name}.txt").write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
     out = tmp_path / "cmp.json"
-    args = ["compare", "smollm2-135m", "smollm2-135m", "--data", str(docs), "--window", "512", "--max-tokens", "2048",
+    args = ["compare", "smollm2-135m", "smollm2-135m", "--data", str(docs), "--window", "512", "--sample-windows", "4",
             "--decode-tokens", "16", "--probe-max-context", "512", "--threads", "1", "--max-kl", "1e-6",
             "--min-top1", "0.999", "--json", str(out)]
     assert main(args) == 0
