@@ -265,3 +265,14 @@ def test_report_folder(capsys, models, docs, tmp_path, monkeypatch):
     assert (folder / "report.html").read_text().count("data:image/png") == 3
     assert summary.read_text() == written  # a re-render does not post the summary twice
     assert main(["report", str(tmp_path / "nowhere")]) == 2
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "4K-8K=nan"])
+def test_non_finite_command_line_threshold_is_refused(value):
+    from tokq.commands.compare import _thresholds
+    from tokq.errors import ConfigError
+
+    # nan compares false with everything, so it would pass any estimate: refused like nan in tokq.toml
+    with pytest.raises(ConfigError, match="finite"):
+        _thresholds({"max_kl": [value]})
+    assert _thresholds({"max_kl": ["0.1", "4K-8K=0.2"]}) == {"max_kl": {None: 0.1, "4K-8K": 0.2}}

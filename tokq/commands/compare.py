@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -47,6 +48,8 @@ def _thresholds(values: dict[str, list[str]]) -> dict[str, dict[str | None, floa
             except ValueError:
                 raise ConfigError(f"--{name.replace('_', '-')} {item!r}: give a number, or BUCKET=number "
                                   "(e.g. 4K-8K=0.1)") from None
+            if not math.isfinite(number):  # nan would make every comparison false: a silent pass
+                raise ConfigError(f"--{name.replace('_', '-')} {item!r}: give a finite number")
             out.setdefault(name, {})[bucket or None] = number
     return out
 
