@@ -91,7 +91,7 @@ def gate_cmd(
     try:
         checkpoints = {name: _checkpoint(project, name, threads) for name in names}
         report = {"tokq_version": __version__, "command": "gate", "config": str(path),
-                  "config_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "base": project.base,
+                  "config_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "base": _display_name(project.base),
                   "base_checkpoint": str(base), "data": data.name, "runtime": runtime.to_json(),
                   "versions": _versions(), "context": _context(Path(path), base), "variants": {}}
         for name in names:
@@ -123,6 +123,11 @@ def _versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             out[name] = None
     return out
+
+
+def _display_name(model: str) -> str:
+    """A zoo name as it is; a checkpoint path by its folder's name (reports name models, never absolute paths)."""
+    return Path(model).name if ("/" in model or model.startswith(".")) else model
 
 
 def _context(config: Path, base: Path) -> dict:
@@ -246,7 +251,7 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
                            probe_repeats=data.probe_repeats,
                            thresholds=quality_thresholds(project.quality), threshold_on=project.quality_on,
                            dtype=project.dtype, seed=seed)
-    quality["a"]["name"], quality["b"]["name"] = project.base, name  # names in reports, never absolute paths
+    quality["a"]["name"], quality["b"]["name"] = _display_name(project.base), name  # names, never absolute paths
     rules = [{"kind": "quality", **t, "result": t.get("result") or (
         "pass" if t["passed"] else "inconclusive" if t.get("inconclusive") else "fail")} for t in quality["thresholds"]]
     bench = None
