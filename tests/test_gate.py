@@ -116,8 +116,8 @@ def test_speed_rule_fails_honestly(project, tmp_path):
     report = json.loads((out / "report.json").read_text())
     speed = [r for r in report["variants"]["same"]["rules"] if r["kind"] == "speed"]
     assert code == 1 and speed and not speed[0]["passed"] and "TPOT speedup" in speed[0]["rule"]
-    # the same model on both sides: a speedup near 1 whose whole interval misses 50x
-    assert speed[0]["result"] == "fail" and speed[0]["high"] < 50 and speed[0]["low"] <= 1 <= speed[0]["high"] * 1.5
+    # the same model on both sides: a speedup near 1 (a tiny model on a shared CPU: noisy) whose interval misses 50x
+    assert speed[0]["result"] == "fail" and speed[0]["high"] < 50 and 0.2 < speed[0]["value"] < 5
     bench = report["variants"]["same"]["bench"]
     assert bench["passes"] >= 2 and bench["analysis"]["steps"] > 0  # paired passes, interleaved
     assert bench["base"]["metrics"]["completed"] == bench["variant"]["metrics"]["completed"]

@@ -9,7 +9,7 @@ base does exactly the work of step j of the variant. The experiment runs `block_
 then the same steps of the other, alternating which goes first (ABBA...), until both finish the workload: one
 *pass*. Passes repeat with fresh prompts until the time budget is spent. Each step's wall time is recorded
 with the step's shape (phase, sequences, tokens) and the requests that received a token, so
-`tokq.evalsuite.speed_stats` can rebuild each side's serving timeline as if it had run alone, detect stalls,
+the evalsuite's speed_stats can rebuild each side's serving timeline as if it had run alone, detect stalls,
 and bootstrap the ratios over block pairs.
 
 Arrivals: all at once by default. With a Poisson `arrival_rate`, a request is admitted to both engines at the
