@@ -42,10 +42,32 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+# Every generator tokq seeds takes a non-negative 64-bit seed (torch.manual_seed, torch.Generator, numpy's
+# default_rng, random); some add small offsets to it (workload prompts: seed + 2), so the top bit stays free.
+MAX_SEED = 2**63 - 1
+
+
+def max_threads() -> int:
+    """More threads than 4 per CPU only slow torch down, and a huge count crashes OpenMP (a segfault, not an
+    error): the bound --threads is checked against."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and not 1 <= threads <= max_threads():
+        raise ConfigError(f"--threads {threads}: give 1 to {max_threads()} (this machine has {os.cpu_count()} "
+                          "CPUs), or leave it out for torch's choice")
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed {seed}: give an integer from 0 to 2**63 - 1 ({MAX_SEED})")
+
+
 def setup_runtime(threads: int | None = None, device: str = "auto", seed: int = 0) -> RuntimeInfo:
+    check_threads(threads)  # both before torch sees them: an out-of-range count can crash the process
+    check_seed(seed)
     if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads {threads}: give a positive number of threads")
         torch.set_num_threads(threads)
     random.seed(seed)
     torch.manual_seed(seed)
