@@ -234,6 +234,20 @@ def test_json_into_a_read_only_folder_is_refused(capsys, tmp_path):
     assert code == 2 and "--json" in text and "cannot be written" in " ".join(text.split())
 
 
+def test_json_where_no_file_can_be_created_is_refused(capsys, tmp_path, monkeypatch):
+    """Hostile: --json into a folder where no file can be created (a read-only mount; root bypasses chmod, so
+    the failure is simulated): refused before the work with the OS's reason."""
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    code, text = run(capsys, "score", tmp_path / "missing", "--data", tmp_path, "--json", tmp_path / "x.json")
+    text = " ".join(text.split())
+    assert code == 2 and "--json" in text and "cannot be written (Read-only file system)" in text, text
+
+
 def test_json_into_a_new_folder_is_created_at_the_end(capsys, tmp_path):
     """A --json path in folders that do not exist yet is fine: they are created when the JSON is written."""
     target = tmp_path / "a" / "b" / "models.json"

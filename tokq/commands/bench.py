@@ -53,10 +53,11 @@ def bench_cmd(
     from tokq.engine.roofline import copy_bandwidth
     from tokq.engine.workload import Workload, bench_model
     from tokq.errors import ConfigError
-    from tokq.reports.json_io import write_json
+    from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
 
+    check_json_target(json_path)  # refused before the benchmark, not after
     runtime = setup_runtime(threads, device, seed)
     for flag, value in (("--prompt-len", prompt_len), ("--gen-len", gen_len), ("--concurrency", concurrency),
                         ("--max-num-batched-tokens", max_num_batched_tokens), ("--num-speculative", num_speculative)):

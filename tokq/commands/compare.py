@@ -252,10 +252,11 @@ def compare_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap, the probes and the decode sample."),
 ) -> None:
     """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression."""
-    from tokq.reports.json_io import write_json
+    from tokq.reports.json_io import check_json_target, write_json
     from tokq.reports.markdown import compare_markdown
     from tokq.runtime import setup_runtime
 
+    check_json_target(json_path)  # refused before minutes of scoring, not after
     runtime = setup_runtime(threads, device, seed)
     if report_dir:  # refused before minutes of scoring, not after
         from tokq.reports.folder import check_report_folder

@@ -21,6 +21,7 @@ from tokq.longctx.default_set import DefaultSetSummary, build_default_set, read_
 from tokq.longctx.documents import Document, load_documents
 from tokq.longctx.windows import TextEncoder, as_text_encoder, build_windows, tokenize_documents
 from tokq.paths import atomic_write_text, data_dir
+from tokq.reports.json_io import check_json_target
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_WINDOW = 2048
@@ -50,6 +51,7 @@ def build_default(
 
     Licence-clean: MANIFEST.json records each document's source, version and licence.
     """
+    check_json_target(json_path)  # refused before the build, not after
     console = Console()
     out = out if out is not None else data_dir() / "default"
     if out.exists() and not force:
@@ -94,6 +96,7 @@ def inspect(
     json_path: Path | None = typer.Option(None, "--json", help="Also write the report as JSON here."),
 ) -> None:
     """Show what tokq reads from DIRECTORY: documents, skipped files and why, tokens, windows."""
+    check_json_target(json_path)  # refused before tokenizing, not after
     console = Console()
     docs = load_documents(directory, strict=strict)
     encoder = _load_encoder(model)
@@ -186,4 +189,5 @@ def _add_more_row(table: Table, total: int) -> None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
+    check_json_target(path)  # again: the target may have changed while the command ran
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -101,10 +101,11 @@ def list_cmd(
     from tokq.engine.checkpoint import load_model
     from tokq.errors import ConfigError
     from tokq.kernels.registry import ENV, KernelError, Selection
-    from tokq.reports.json_io import write_json
+    from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
 
+    check_json_target(json_path)  # refused before the model is loaded, not after
     runtime = setup_runtime(threads, device, seed)
     try:
         Selection.from_env()

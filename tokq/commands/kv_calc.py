@@ -55,10 +55,11 @@ def kv_calc_cmd(
     from tokq.engine.config import read_config
     from tokq.engine.kv_cache import default_kv_budget, format_bytes, kv_dtype_named, parse_bytes
     from tokq.errors import ConfigError
-    from tokq.reports.json_io import write_json
+    from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import resolve_device
     from tokq.zoo import resolve_model
 
+    check_json_target(json_path)
     if context < 1 or seqs < 1 or block_size < 1:
         raise ConfigError(f"--context {context}, --seqs {seqs}, --block-size {block_size}: all must be >= 1")
     config = read_config(resolve_model(model))

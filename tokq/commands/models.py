@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokq import zoo
-from tokq.reports.json_io import write_json
+from tokq.reports.json_io import check_json_target, write_json
 
 models_app = typer.Typer(name="models", help="The model zoo: real models shipped as GGUF in PyPI packages.", no_args_is_help=True)
 console = Console(stderr=True)
@@ -18,6 +18,7 @@ console = Console(stderr=True)
 @models_app.command("list")
 def list_cmd(json_path: Path = typer.Option(None, "--json", help="Also write the list as JSON to this path.")) -> None:
     """List the zoo models, whether they are pulled, and where."""
+    check_json_target(json_path)
     rows = zoo.list_models()
     table = Table(title=f"tokq model zoo (cache: {zoo.models_dir()})")
     for col in ("name", "architecture", "licence", "pulled", "description"):
@@ -36,6 +37,7 @@ def pull_cmd(
     json_path: Path = typer.Option(None, "--json", help="Write the provenance record as JSON to this path."),
 ) -> None:
     """Install the model's package if missing, dequantize its GGUF into a bf16 checkpoint under $TOKQ_HOME."""
+    check_json_target(json_path)  # refused before the pull, not after
     already = zoo.is_pulled(name) and not force
     with console.status(f"pulling {name} (install package, dequantize GGUF, write safetensors)...", spinner="dots"):
         path = zoo.pull(name, force=force)

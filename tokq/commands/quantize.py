@@ -109,7 +109,7 @@ def quantize_cmd(
     from tokq.quantize.calibration import calibration_samples
     from tokq.quantize.formats.compressed_tensors import save_quantized
     from tokq.quantize.methods.base import MethodOptions
-    from tokq.reports.json_io import write_json
+    from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
 
@@ -120,6 +120,7 @@ def quantize_cmd(
     alpha_given, alpha_value = _parse_alpha(alpha, method)
     if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
         raise ConfigError(f"--recipe-sha256 {recipe_sha256!r} is not a sha256 (64 lowercase hex digits)")
+    check_json_target(json_path)  # refused before the quantization, not after
     if out.exists() and not force:
         raise ConfigError(f"{out} already exists; choose another --out or pass --force to replace it")
     runtime = setup_runtime(threads, device, seed)

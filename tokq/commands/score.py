@@ -39,10 +39,11 @@ def score_cmd(
     from tokq.longctx.documents import load_documents
     from tokq.longctx.windows import as_text_encoder, build_windows
     from tokq.paths import data_dir
-    from tokq.reports.json_io import write_json
+    from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
 
+    check_json_target(json_path)  # refused before minutes of scoring, not after
     runtime = setup_runtime(threads, device, seed)
     # Cheap checks first: the model's config, then the documents, before any weights are read.
     checkpoint = resolve_model(model)
