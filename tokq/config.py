@@ -319,9 +319,9 @@ def _rules(check: _Checker, gate: dict, table: str, known: dict[str, str], bucke
         if not per:
             raise check.fail(table, name, "is an empty table: give a threshold, or { overall = ..., \"BUCKET\" = ... }")
         for bucket, threshold in per.items():
-            if bucket != "overall" and bucket not in labels:
-                raise check.fail(table, name, f"names bucket {bucket!r}, which is not a position bucket; use "
-                                              f"overall or one of {', '.join(labels)}")
+            problem = bucket_problem(name, bucket, labels)
+            if problem:
+                raise check.fail(table, name, problem)
             number = check.number(table, name, threshold, finite=True)
             rules.append(Rule(name, known[name], float(number), None if bucket == "overall" else bucket))
     return rules
@@ -331,6 +331,37 @@ def _bucket_labels() -> list[str]:
     from tokq.evalsuite.stats import POSITION_BUCKETS
 
     return [label for _, _, label in POSITION_BUCKETS]
+
+
+def compare_thresholds(path: Path) -> dict[str, dict[str | None, float]]:
+    """tokq.toml's [compare.thresholds] for `tokq compare` (name -> {bucket or None: threshold}), checked as
+    `tokq gate` checks them: an unknown rule, a bucket label that is no position bucket, or a value that is
+    not a finite number is an error naming file:line, before any scoring."""
+    path = Path(path)
+    raw = load_config(path)
+    check = _Checker(path, path.read_text(encoding="utf-8"))
+    out: dict[str, dict[str | None, float]] = {}
+    for rule in _rules(check, check.table(raw, "compare"), "compare.thresholds", QUALITY_RULES, buckets=True):
+        out.setdefault(rule.name, {})[rule.bucket] = rule.threshold
+    return out
+
+# Rules whose metric is not split by position: the retrieval probes' flip rate is one number per run.
+UNBUCKETED_RULES = {"max_flip_rate"}
+
+
+def bucket_problem(rule: str, bucket: str, labels: list[str] | None = None) -> str | None:
+    """Why `bucket` cannot label a threshold of `rule` (None: it can): only "overall" and the position buckets
+    of evalsuite.stats are labels. A free-form label would be copied into every report (report.html is a CI
+    artifact: no markup from a PR's tokq.toml may reach it) and matches no bucket."""
+    if bucket == "overall":
+        return None
+    if rule in UNBUCKETED_RULES:
+        return (f"names bucket {bucket!r}, but {rule} has no position buckets (the retrieval probes are not "
+                "split by position): give one number")
+    labels = _bucket_labels() if labels is None else labels
+    if bucket not in labels:
+        return f"names bucket {bucket!r}, which is not a position bucket; use overall or one of {', '.join(labels)}"
+    return None
 
 
 STARTER = '''# tokq.toml: what `tokq gate` checks before a quantized build may ship.

@@ -36,46 +36,37 @@ def resolve_variant(name: str, other: str | None = None) -> Path:
 
 
 def _thresholds(values: dict[str, list[str]]) -> dict[str, dict[str | None, float]]:
-    """--max-kl 0.05 --max-kl 4K-8K=0.1 -> {"max_kl": {None: 0.05, "4K-8K": 0.1}}."""
+    """--max-kl 0.05 --max-kl 4K-8K=0.1 -> {"max_kl": {None: 0.05, "4K-8K": 0.1}}. A label must be overall or a
+    position bucket (config.bucket_problem): any other text would be copied into the reports, and match nothing."""
+    from tokq.config import bucket_problem
     from tokq.errors import ConfigError
 
     out: dict[str, dict[str | None, float]] = {}
     for name, items in values.items():
+        flag = f"--{name.replace('_', '-')}"
         for item in items or []:
             bucket, _, value = item.rpartition("=")
             try:
                 number = float(value)
             except ValueError:
-                raise ConfigError(f"--{name.replace('_', '-')} {item!r}: give a number, or BUCKET=number "
-                                  "(e.g. 4K-8K=0.1)") from None
+                raise ConfigError(f"{flag} {item!r}: give a number, or BUCKET=number (e.g. 4K-8K=0.1)") from None
             if not math.isfinite(number):  # nan would make every comparison false: a silent pass
-                raise ConfigError(f"--{name.replace('_', '-')} {item!r}: give a finite number")
-            out.setdefault(name, {})[bucket or None] = number
+                raise ConfigError(f"{flag} {item!r}: give a finite number")
+            problem = bucket_problem(name, bucket) if bucket else None
+            if problem:
+                raise ConfigError(f"{flag} {item!r} {problem}")
+            out.setdefault(name, {})[None if bucket in ("", "overall") else bucket] = number
     return out
 
 
 def thresholds_from_config() -> dict[str, dict[str | None, float]]:
-    """`[compare.thresholds]` of tokq.toml: max_kl = 0.05, or max_kl = { overall = 0.05, "4K-8K" = 0.1 }."""
-    from tokq.errors import ConfigError
-    from tokq.evalsuite.compare import THRESHOLD_METRICS
-    from tokq.project import find_config, load_config
+    """`[compare.thresholds]` of tokq.toml: max_kl = 0.05, or max_kl = { overall = 0.05, "4K-8K" = 0.1 }, checked
+    as the gate checks it (config.compare_thresholds: errors name file:line)."""
+    from tokq.config import compare_thresholds
+    from tokq.project import find_config
 
     path = find_config()
-    if path is None:
-        return {}
-    table = load_config(path).get("compare", {}).get("thresholds", {})
-    out: dict[str, dict[str | None, float]] = {}
-    for name, value in table.items():
-        if name not in THRESHOLD_METRICS:
-            raise ConfigError(f"{path}: [compare.thresholds] has unknown key {name!r}; known: "
-                              f"{', '.join(THRESHOLD_METRICS)}")
-        per = value if isinstance(value, dict) else {"overall": value}
-        for bucket, number in per.items():
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
-                raise ConfigError(f"{path}: [compare.thresholds] {name}{'' if bucket == 'overall' else '.' + bucket} = "
-                                  f"{number!r} must be a number")
-            out.setdefault(name, {})[None if bucket == "overall" else bucket] = float(number)
-    return out
+    return {} if path is None else compare_thresholds(path)
 
 
 def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: int = 2048, stride: int | None = None,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokq.reports import plots
 from tokq.reports.folder import write_report_folder
-from tokq.reports.html import STYLE
+from tokq.reports.html import render_page
 from tokq.reports.junit import junit_xml
 from tokq.reports.markdown import compare_markdown, probes_line
 
@@ -118,41 +118,75 @@ def gate_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+GATE_PAGE = """\
+<!doctype html><html><head>{{ head }}<title>tokq gate</title><style>{{ style }}</style></head><body>\
+<h1>tokq gate: <span class={{ css }}>{{ verdict }}</span></h1>
+{% for line in context %}
+<p>{{ line }}</p>
+{% endfor %}
+<p>Quality rules fail when the 95% CI's unfavourable bound crosses the threshold; speed rules pass when their whole \
+95% interval meets it, fail when the whole interval misses it, and are inconclusive otherwise.</p>
+<table><tr><th>variant</th><th>rule</th><th>bucket</th><th>measured [95% CI]</th><th>threshold</th><th>result</th></tr>
+{% for r in rules %}
+<tr><td>{{ r.variant }}</td><td>{{ r.name }}</td><td>{{ r.bucket }}</td><td>{{ r.value }}</td><td>{{ r.threshold }}\
+</td><td class={{ r.result }}>{{ r.shown }}</td></tr>
+{% endfor %}
+</table>
+<ul>{% for r in rules %}<li>{{ r.variant }}: {{ r.rule }}</li>{% endfor %}</ul>
+<h2>Quality by position</h2>
+<img alt="KL by position bucket" src="{{ kl_plot }}">
+<img alt="top-1 by position bucket" src="{{ top1_plot }}">
+<h2>Per document</h2>
+<img alt="per-document KL" src="{{ documents_plot }}">
+{% if speed %}
+<h2>Speed</h2><p>Base and variant play the same workload in one process, interleaved by blocks of steps; each side's \
+metrics come from its own clock, stalls excluded (counted below).</p><table><tr><th>variant</th><th>side</th>\
+{% for column in speed_columns %}<th>{{ column }}</th>{% endfor %}\
+<th>weights MiB</th><th>stalls</th><th>roofline</th><th>kernels</th></tr>
+{% for row in speed.rows %}
+<tr>{% for cell in row %}<td>{{ cell }}</td>{% endfor %}</tr>
+{% endfor %}
+</table>
+<img alt="speed ratios" src="{{ speed.ratios_plot }}">
+<img alt="decode step times" src="{{ speed.steps_plot }}">
+{% endif %}
+{% for p in probes %}
+<h2>Retrieval probes: {{ p.name }}</h2>
+<p>{{ p.line }}</p>
+<img alt="probe grid base" src="{{ p.grid_base }}"> <img alt="probe grid {{ p.name }}" src="{{ p.grid_variant }}">
+{% endfor %}
+<p class=ci>tokq {{ version }}</p></body></html>
+"""
+
+
+def _rule_row(name: str, r: dict) -> dict:
+    result = _result(r)
+    return {"variant": name, "name": r["name"], "bucket": r.get("bucket") or "overall", "value": _value(r),
+            "threshold": r["threshold"], "result": result, "shown": result if result == "pass" else result.upper(),
+            "rule": r["rule"]}
+
+
 def gate_html(report: dict) -> str:
+    """The gate's page, rendered with autoescaping (reports.html): every name and text in it is the user's."""
     variants = report["variants"]
     results = {name: v["compare"] for name, v in variants.items()}
     verdict = _verdict(report)
     css = {"PASS": "pass", "FAIL": "fail", "INCONCLUSIVE": "inconclusive"}[verdict]
-    parts = [f"<!doctype html><html><head><meta charset=utf-8><title>tokq gate</title><style>{STYLE}</style>"
-             f"</head><body><h1>tokq gate: <span class={css}>{verdict}</span></h1>",
-             *(f"<p>{html.escape(line).replace('`', '')}</p>" for line in _context_lines(report)),
-             "<p>Quality rules fail when the 95% CI's unfavourable bound crosses the threshold; speed rules pass "
-             "when their whole 95% interval meets it, fail when the whole interval misses it, and are inconclusive "
-             "otherwise.</p>",
-             "<table><tr><th>variant</th><th>rule</th><th>bucket</th><th>measured [95% CI]</th><th>threshold</th>"
-             "<th>result</th></tr>"]
-    for name, r in ordered_rules(report):
-        result = _result(r)
-        parts.append(f"<tr><td>{html.escape(name)}</td><td>{r['name']}</td><td>{r.get('bucket') or 'overall'}</td>"
-                     f"<td>{_value(r)}</td><td>{r['threshold']}</td><td class={result}>"
-                     f"{result if result == 'pass' else result.upper()}</td></tr>")
-    parts += ["</table>", "<ul>" + "".join(f"<li>{html.escape(name)}: {html.escape(r['rule'])}</li>"
-                                           for name, r in ordered_rules(report)) + "</ul>",
-              "<h2>Quality by position</h2>",
-              f'<img alt="KL by position bucket" src="{_bucket_plot(report, results, "kl", "KL(base‖variant)")}">',
-              f'<img alt="top-1 by position bucket" src="{_bucket_plot(report, results, "top1", "top-1 agreement")}">',
-              "<h2>Per document</h2>", f'<img alt="per-document KL" src="{plots.document_distribution(results)}">']
+    rules = [_rule_row(name, r) for name, r in ordered_rules(report)]
+    kl_plot = _bucket_plot(report, results, "kl", "KL(base‖variant)")
+    top1_plot = _bucket_plot(report, results, "top1", "top-1 agreement")
+    documents_plot = plots.document_distribution(results)
     benches = {name: v["bench"] for name, v in variants.items() if v.get("bench")}
-    if benches:
-        parts += _speed_section(benches, variants)
-    for name, result in results.items():
-        probes = result.get("probes")
-        if probes:
-            parts += [f"<h2>Retrieval probes: {html.escape(name)}</h2>", f"<p>{html.escape(probes_line(probes))}</p>",
-                      f'<img alt="probe grid base" src="{plots.probe_grid(probes, "a", "base")}"> '
-                      f'<img alt="probe grid {html.escape(name)}" src="{plots.probe_grid(probes, "b", name)}">']
-    parts.append(f"<p class=ci>tokq {html.escape(report['tokq_version'])}</p></body></html>")
-    return "\n".join(parts) + "\n"
+    speed = _speed_section(benches, variants) if benches else None
+    probes = [{"name": name, "line": probes_line(result["probes"]),
+               "grid_base": plots.probe_grid(result["probes"], "a", "base"),
+               "grid_variant": plots.probe_grid(result["probes"], "b", name)}
+              for name, result in results.items() if result.get("probes")]
+    # the context lines are Markdown: their code spans' backticks are dropped, their text escaped by the template
+    return render_page(GATE_PAGE, css=css, verdict=verdict,
+                       context=[line.replace("`", "") for line in _context_lines(report)], rules=rules,
+                       kl_plot=kl_plot, top1_plot=top1_plot, documents_plot=documents_plot, speed=speed,
+                       speed_columns=[c[0] for c in SPEED_COLUMNS], probes=probes, version=report["tokq_version"])
 
 
 def _bucket_plot(report: dict, results: dict, metric: str, label: str) -> str:
@@ -162,13 +196,10 @@ def _bucket_plot(report: dict, results: dict, metric: str, label: str) -> str:
     return plots.metric_by_bucket(results, metric, label, thresholds=thresholds)
 
 
-def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> list[str]:
-    """The speed table (each side's metrics over the paired experiment), the ratios with their intervals against
-    the thresholds, and the decode step-time distributions."""
-    parts = ["<h2>Speed</h2><p>Base and variant play the same workload in one process, interleaved by blocks of "
-             "steps; each side's metrics come from its own clock, stalls excluded (counted below).</p><table><tr>"
-             "<th>variant</th><th>side</th>" + "".join(f"<th>{c[0]}</th>" for c in SPEED_COLUMNS)
-             + "<th>weights MiB</th><th>stalls</th><th>roofline</th><th>kernels</th></tr>"]
+def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> dict:
+    """The speed table's rows (each side's metrics over the paired experiment), the ratios with their intervals
+    against the thresholds, and the decode step-time distributions."""
+    rows: list[list] = []
     steps: dict[str, list[float]] = {}
     for name, bench in benches.items():
         for side in ("base", "variant"):
@@ -176,17 +207,14 @@ def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> list[
             m = row["metrics"]
             label = "base" if side == "base" else name
             steps.setdefault(label, bench["analysis"].get("decode_step_ms", {}).get(side, []))
-            kernels = ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"])
             roof = row.get("roofline_fraction")
-            cells = "".join(f"<td>{fmt.format(m[key]) if m.get(key) is not None else '-'}</td>"
-                            for _, key, fmt in SPEED_COLUMNS)
-            parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(label)}</td>{cells}"
-                         f"<td>{row['memory']['weights_bytes'] / 2**20:.0f}</td><td>{row['stalls']}</td>"
-                         f"<td>{'-' if roof is None else f'{roof:.0%}'}</td><td>{html.escape(kernels)}</td></tr>")
+            rows.append([name, label, *(fmt.format(m[key]) if m.get(key) is not None else "-"
+                                        for _, key, fmt in SPEED_COLUMNS),
+                         f"{row['memory']['weights_bytes'] / 2**20:.0f}", row["stalls"],
+                         "-" if roof is None else f"{roof:.0%}",
+                         ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"])])
     speed_rules = {name: [r for r in variants[name]["rules"] if r["kind"] == "speed"] for name in benches}
-    parts += ["</table>", f'<img alt="speed ratios" src="{plots.speed_ratios(speed_rules)}">',
-              f'<img alt="decode step times" src="{plots.tbt_distribution(steps)}">']
-    return parts
+    return {"rows": rows, "ratios_plot": plots.speed_ratios(speed_rules), "steps_plot": plots.tbt_distribution(steps)}
 
 
 def write_gate_report(folder: Path, report: dict, step_summary: bool = True) -> Path:
@@ -194,4 +222,4 @@ def write_gate_report(folder: Path, report: dict, step_summary: bool = True) -> 
     return write_report_folder(folder, {
         "report.json": lambda: json.dumps(report, indent=2, default=str) + "\n",
         "report.md": lambda: gate_markdown(report), "junit.xml": lambda: junit_xml("tokq gate", rules),
-        "report.html": lambda: gate_html(report)}, step_summary)
+        "report.html": lambda: gate_html(report)}, step_summary, "tokq gate")

@@ -1,68 +1,119 @@
-"""A self-contained HTML report (inline CSS, plots as data URIs: one file to attach to a CI run)."""
+"""A self-contained HTML report (inline CSS, plots as data URIs: one file to attach to a CI run).
+
+Every page is rendered by jinja2 with autoescaping on: model and variant names, paths, bucket labels, rule texts
+and config values come from the user (a PR's tokq.toml, a folder name, a hand-edited report.json) and the page
+is a CI artifact someone opens in a browser, so none of it may become markup. Only tokq's own markup is marked
+safe (the head with its Content-Security-Policy, the stylesheet, the CI cells built with Markup.format, which
+escapes its arguments); the plots' data URIs need no exemption (base64 holds no character HTML escapes).
+"""
 
 from __future__ import annotations
 
-import html
+from functools import cache
+
+from jinja2 import Environment, StrictUndefined, Template
+from markupsafe import Markup
 
 from tokq.reports import plots
 from tokq.reports.markdown import METRIC_LABELS, probes_line, verdict_word
-
-
-def _ci(est: dict, pct: bool = False) -> str:
-    """value [low, high]; a bound the sample does not give (one document, a maximum) shows as '-'."""
-    f = (lambda v: "-" if v is None else f"{v:.2%}") if pct else (lambda v: "-" if v is None else f"{v:.4f}")
-    return f"{f(est['value'])} <span class=ci>[{f(est['low'])}, {f(est['high'])}]</span>"
-
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.ci{color:#777;font-size:90%}
 .pass{color:#17692a;font-weight:bold}.fail{color:#b3261e;font-weight:bold}.warn{color:#8a6100;font-weight:bold}img{max-width:100%}"""
 
+# Every page forbids scripts and any load but its inline CSS and data: URI images: should markup ever slip
+# through, it can neither run nor call out, in the screenshot browser or in whatever opens the CI artifact.
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+HEAD = Markup(f'<meta charset=utf-8><meta http-equiv="Content-Security-Policy" content="{CSP}">')
+
+# StrictUndefined: a key missing from a (hand-edited) report.json is an error, never a silently empty cell.
+_ENV = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                   keep_trailing_newline=True)
+
+
+@cache
+def _template(source: str) -> Template:
+    return _ENV.from_string(source)
+
+
+def render_page(source: str, **context) -> str:
+    """`source` (a jinja2 template string) rendered with autoescaping; `head` is the charset and the CSP,
+    `style` tokq's stylesheet."""
+    return _template(source).render(head=HEAD, style=Markup(STYLE), **context)
+
+
+def _ci(est: dict | None, pct: bool = False) -> Markup | str:
+    """value [low, high]; a bound the sample does not give (one document, a maximum) shows as '-'."""
+    if not est:
+        return "-"
+    f = (lambda v: "-" if v is None else f"{v:.2%}") if pct else (lambda v: "-" if v is None else f"{v:.4f}")
+    return Markup("{} <span class=ci>[{}, {}]</span>").format(f(est["value"]), f(est["low"]), f(est["high"]))
+
+
+COMPARE_PAGE = """\
+<!doctype html><html><head>{{ head }}<title>tokq compare {{ a }} → {{ b }}</title><style>{{ style }}</style>\
+</head><body>
+<h1>tokq compare: {{ a }} → {{ b }}: <span class="{{ 'pass' if passed else 'fail' }}">{{ verdict }}</span></h1>
+<p>{{ w["count"] }} windows of up to {{ w["window"] }} tokens from {{ w["documents"] }} documents, \
+{{ w["scored_tokens"] }} scored tokens. 95% CIs from a paired bootstrap over documents. {{ kl_method }}.</p>
+<h2>Overall</h2><table><tr><th>metric</th><th>prefill path</th><th>decode path</th></tr>
+{% for label, prefill, decode in overall %}
+<tr><td>{{ label }}</td><td>{{ prefill }}</td><td>{{ decode }}</td></tr>
+{% endfor %}
+</table>
+{% if floor %}
+<p>Noise floor ({{ floor.what }}): mean KL {{ floor.kl_mean }}, top-1 {{ floor.top1 }} over {{ floor.tokens }} tokens.</p>
+{% endif %}
+<h2>By position</h2>
+<img alt="KL by position bucket" src="{{ kl_plot }}">
+<img alt="top-1 by position bucket" src="{{ top1_plot }}">
+<h2>Per document</h2>
+<img alt="per-document KL" src="{{ documents_plot }}">
+{% if probes %}
+<h2>Retrieval probes</h2>
+<p>{{ probes.line }}</p>
+<img alt="probe grid A" src="{{ probes.grid_a }}"> <img alt="probe grid B" src="{{ probes.grid_b }}">
+{% endif %}
+{% if thresholds %}
+<h2>Thresholds</h2><table><tr><th>rule</th><th>bucket</th><th>result</th><th>why</th></tr>
+{% for t in thresholds %}
+<tr><td>{{ t.name }} {{ t.threshold }}</td><td>{{ t.bucket }}</td><td class={{ t.css }}>{{ t.outcome }}</td>\
+<td>{{ t.rule }}</td></tr>
+{% endfor %}
+</table>
+{% endif %}
+<p class=ci>tokq {{ version }}</p></body></html>
+"""
+
+
+def _threshold_row(t: dict) -> dict:
+    outcome = "pass" if t["passed"] else "INCONCLUSIVE" if t.get("inconclusive") else "FAIL"
+    return {"name": t["name"], "threshold": t["threshold"], "bucket": t["bucket"] or "overall",
+            "css": "pass" if t["passed"] else "fail", "outcome": outcome, "rule": t["rule"]}
+
 
 def compare_html(result: dict) -> str:
     """The report of one `tokq compare` result (its JSON)."""
-    a, b = html.escape(result["a"]["name"]), html.escape(result["b"]["name"])
-    verdict = ('<span class="pass">PASS</span>' if result["passed"] else
-               f'<span class="fail">{verdict_word(result["thresholds"])}</span>')
-    w = result["windows"]
-    parts = [f"<!doctype html><html><head><meta charset=utf-8><title>tokq compare {a} → {b}</title>"
-             f"<style>{STYLE}</style></head><body>",
-             f"<h1>tokq compare: {a} → {b}: {verdict}</h1>",
-             f"<p>{w['count']} windows of up to {w['window']} tokens from {w['documents']} documents, "
-             f"{w['scored_tokens']} scored tokens. 95% CIs from a paired bootstrap over documents. "
-             f"{html.escape(result['kl_method'])}.</p>",
-             "<h2>Overall</h2><table><tr><th>metric</th><th>prefill path</th><th>decode path</th></tr>"]
+    overall = []
     for m in ("kl", "kl_topk", "top1", "ppl_ratio", "delta_nll", "delta_p", "accept"):
         pct = m in ("top1", "accept")
-        pre = result["prefill"]["overall"].get(m)
         dec = (result.get("decode") or {}).get("overall", {}).get(m)
-        parts.append(f"<tr><td>{METRIC_LABELS[m]}</td><td>{_ci(pre, pct) if pre else '-'}</td>"
-                     f"<td>{_ci(dec, pct) if dec else '-'}</td></tr>")
-    parts.append("</table>")
+        overall.append((METRIC_LABELS[m], _ci(result["prefill"]["overall"].get(m), pct), _ci(dec, pct)))
     floor = result.get("noise_floor")
     if floor:
-        parts.append(f"<p>Noise floor ({html.escape(floor['what'])}): mean KL {floor['kl_mean']:.2e}, "
-                     f"top-1 {floor['top1']:.2%} over {floor['tokens']} tokens.</p>")
+        floor = {"what": floor["what"], "kl_mean": f"{floor['kl_mean']:.2e}", "top1": f"{floor['top1']:.2%}",
+                 "tokens": floor["tokens"]}
     named = {result["b"]["name"]: result}
-    parts += ["<h2>By position</h2>",
-              f'<img alt="KL by position bucket" src="{plots.metric_by_bucket(named, "kl", "KL(A‖B)")}">',
-              f'<img alt="top-1 by position bucket" src="{plots.metric_by_bucket(named, "top1", "top-1 agreement")}">',
-              "<h2>Per document</h2>",
-              f'<img alt="per-document KL" src="{plots.document_distribution(named)}">']
     probes = result.get("probes")
     if probes:
-        parts += ["<h2>Retrieval probes</h2>",
-                  f"<p>{html.escape(probes_line(probes))}</p>",
-                  f'<img alt="probe grid A" src="{plots.probe_grid(probes, "a")}"> '
-                  f'<img alt="probe grid B" src="{plots.probe_grid(probes, "b")}">']
-    if result["thresholds"]:
-        parts.append("<h2>Thresholds</h2><table><tr><th>rule</th><th>bucket</th><th>result</th><th>why</th></tr>")
-        for t in result["thresholds"]:
-            cls = "pass" if t["passed"] else "fail"
-            outcome = "pass" if t["passed"] else "INCONCLUSIVE" if t.get("inconclusive") else "FAIL"
-            parts.append(f"<tr><td>{t['name']} {t['threshold']}</td><td>{t['bucket'] or 'overall'}</td>"
-                         f"<td class={cls}>{outcome}</td><td>{html.escape(t['rule'])}</td></tr>")
-        parts.append("</table>")
-    parts.append(f"<p class=ci>tokq {html.escape(result['tokq_version'])}</p></body></html>")
-    return "\n".join(parts) + "\n"
+        probes = {"line": probes_line(probes), "grid_a": plots.probe_grid(probes, "a"),
+                  "grid_b": plots.probe_grid(probes, "b")}
+    return render_page(
+        COMPARE_PAGE, a=result["a"]["name"], b=result["b"]["name"], passed=bool(result["passed"]),
+        verdict="PASS" if result["passed"] else verdict_word(result["thresholds"]), w=result["windows"],
+        kl_method=result["kl_method"], overall=overall, floor=floor,
+        kl_plot=plots.metric_by_bucket(named, "kl", "KL(A‖B)"),
+        top1_plot=plots.metric_by_bucket(named, "top1", "top-1 agreement"),
+        documents_plot=plots.document_distribution(named), probes=probes,
+        thresholds=[_threshold_row(t) for t in result["thresholds"]], version=result["tokq_version"])

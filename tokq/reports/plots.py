@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import base64
+import functools
 import io
+from collections.abc import Callable
+from typing import TypeVar
 
 import matplotlib
 
 matplotlib.use("Agg")  # reports are rendered headless (CI), never to a window
 import matplotlib.pyplot as plt  # noqa: E402
+
+F = TypeVar("F", bound=Callable[..., str])
+
+
+def _plain_text(plot: F) -> F:
+    """Draw every text of the figure as written: variant, model and folder names reach legends, tick labels and
+    titles, and matplotlib would read `a$b$c` as math (drawn 'abc') and fail on `v$_$1` after all the scoring.
+    The whole function runs in the rc context (tick labels are only made when the figure is drawn); a figure
+    left open by a failure (a malformed report.json) is closed."""
+
+    @functools.wraps(plot)
+    def draw(*args, **kwargs) -> str:
+        before = set(plt.get_fignums())
+        try:
+            with matplotlib.rc_context({"text.parse_math": False}):
+                return plot(*args, **kwargs)
+        except BaseException:
+            for number in set(plt.get_fignums()) - before:
+                plt.close(number)
+            raise
+
+    return draw  # type: ignore[return-value]
 
 
 def _data_uri(fig) -> str:
@@ -18,6 +43,7 @@ def _data_uri(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+@_plain_text
 def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: str = "prefill",
                      thresholds: dict[str | None, float] | None = None) -> str:
     """One line per variant: the metric per position bucket with its 95% CI as error bars; a rule's threshold
@@ -50,6 +76,7 @@ def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: st
     return _data_uri(fig)
 
 
+@_plain_text
 def document_distribution(results: dict[str, dict], metric: str = "kl", label: str = "mean KL per document") -> str:
     """Per-document means of a metric, one box per variant (documents are the bootstrap's unit)."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -61,6 +88,7 @@ def document_distribution(results: dict[str, dict], metric: str = "kl", label: s
     return _data_uri(fig)
 
 
+@_plain_text
 def probe_grid(probes: dict, side: str, title: str | None = None) -> str:
     """Passkey accuracy by context (rows) and depth (columns) for one side ('a' or 'b')."""
     grid = probes[f"{side}_grid"]
@@ -80,6 +108,7 @@ def probe_grid(probes: dict, side: str, title: str | None = None) -> str:
     return _data_uri(fig)
 
 
+@_plain_text
 def tbt_distribution(tbts_ms: dict[str, list[float]]) -> str:
     """Time between tokens or decode step times (ms), one histogram per variant/mode."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -92,6 +121,7 @@ def tbt_distribution(tbts_ms: dict[str, list[float]]) -> str:
     return _data_uri(fig)
 
 
+@_plain_text
 def speed_ratios(rules_by_variant: dict[str, list[dict]]) -> str:
     """Each speed rule's ratio (dot) with its 95% interval (line) per variant, and its threshold (black tick)."""
     entries = [(name, r) for name, rules in rules_by_variant.items() for r in rules]

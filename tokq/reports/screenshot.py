@@ -5,6 +5,7 @@ Used by `tokq report DIR --screenshot PNG` (docs, CI artifacts) and by the test 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from tokq.errors import ConfigError
 
+log = logging.getLogger("tokq")
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
@@ -36,16 +38,35 @@ def screenshot(html_path: Path, png_path: Path, width: int = 1200, height: int =
     png_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tokq-chromium-") as profile:
         tmp = Path(profile) / "shot.png"
-        # --no-sandbox: CI containers run as root, where Chromium's sandbox refuses to start; the page is
-        # our own file with no scripts. A throwaway profile keeps runs independent.
-        # --disable-dev-shm-usage: containers often give /dev/shm 64 MB, where Chromium crashes on tall pages.
-        cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-               "--hide-scrollbars", "--no-first-run",
-               f"--user-data-dir={profile}", f"--window-size={width},{height}", f"--screenshot={tmp}",
-               html_path.as_uri()]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        # Chromium refuses to start sandboxed as root (CI containers)
+        sandboxed = not (hasattr(os, "geteuid") and os.geteuid() == 0)
+        proc = _run(browser, _flags(sandboxed, profile, width, height, tmp) + [html_path.as_uri()], timeout_s)
+        if sandboxed and proc.returncode != 0 and "sandbox" in (proc.stderr or "").lower():
+            # No usable sandbox on this kernel (no user namespaces, no setuid helper): the only way to draw the
+            # page at all. The page is still escaped, forbids scripts (its CSP) and is cut off from the network.
+            log.warning("Chromium has no usable sandbox here: screenshotting %s without it", html_path)
+            proc = _run(browser, _flags(False, profile, width, height, tmp) + [html_path.as_uri()], timeout_s)
         if proc.returncode != 0 or not tmp.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             raise ConfigError(f"{browser} could not screenshot {html_path} (exit {proc.returncode}: {tail[0]})")
         shutil.move(str(tmp), png_path)
     return png_path
+
+
+def _flags(sandboxed: bool, profile: str, width: int, height: int, png: Path) -> list[str]:
+    """The report page is untrusted input to the browser (names, labels and texts come from a PR's tokq.toml
+    or folder names; html.py escapes them, this is the second line): Chromium's sandbox stays on unless it
+    cannot run (root, or none usable), and no host name resolves, so nothing on the page can load from the
+    network. Scripts stay on in the browser because headless --screenshot needs them (with
+    --blink-settings=scriptEnabled=false Chromium 156 exits 0 and writes no PNG); the page's own
+    Content-Security-Policy (html.CSP: no script, images only from data: URIs) keeps any script on it from
+    running, here and in whatever browser opens the artifact. A throwaway profile keeps runs independent;
+    --disable-dev-shm-usage: containers often give /dev/shm 64 MB, where Chromium crashes on tall pages."""
+    return [*([] if sandboxed else ["--no-sandbox"]), "--headless", "--disable-gpu", "--disable-dev-shm-usage",
+            "--hide-scrollbars", "--no-first-run", "--host-resolver-rules=MAP * ~NOTFOUND",
+            f"--user-data-dir={profile}",
+            f"--window-size={width},{height}", f"--screenshot={png}"]
+
+
+def _run(browser: str, args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([browser, *args], capture_output=True, text=True, timeout=timeout_s)
