@@ -248,7 +248,8 @@ def test_report_folder(capsys, models, docs, tmp_path, monkeypatch):
     code, result, _ = compare(capsys, models["a"], models["other"], docs, tmp_path, "--max-kl", "0.01",
                               "--max-rms-delta-p", "0.99", "--report-dir", folder)
     assert code == 1
-    assert sorted(p.name for p in folder.iterdir()) == ["junit.xml", "report.html", "report.json", "report.md"]
+    assert sorted(p.name for p in folder.iterdir()) == [".tokq-owner.json", "junit.xml", "report.html", "report.json",
+                                                        "report.md"]
     markdown = (folder / "report.md").read_text()
     assert "| scope | KL p90 | KL p95 | KL p99 | KL p99.9 | KL max | RMS Δp |" in markdown
     assert "| max_rms_delta_p 0.99 | overall | pass |" in markdown and "Few documents" in markdown

@@ -89,7 +89,8 @@ def test_good_variant_passes_and_damaged_fails(project, tmp_path, capsys):
     assert hashes["same"][0] == hashes["same"][1] == hashes["damaged"][0] != hashes["damaged"][1]
     assert same["compare"]["data_sha256"] == damaged["compare"]["data_sha256"]
     out = tmp_path / "report"
-    assert sorted(p.name for p in out.iterdir()) == ["junit.xml", "report.html", "report.json", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == [".tokq-owner.json", "junit.xml", "report.html", "report.json",
+                                                     "report.md"]
     assert (out / "report.html").read_text().count("data:image/png") >= 4
     assert "damaged: min_top1" in (out / "junit.xml").read_text()
     text = capsys.readouterr().out

@@ -125,8 +125,13 @@ def test_existing_output_is_refused_then_replaced_with_force(capsys, project, ch
     code, text = quantize(capsys, checkpoint, out, "--method", "rtn", "--group-size", 32)
     assert code == 2 and f"{out} already exists" in text and "--force" in text
     assert (out / "keep.txt").read_text() == "mine"
+    # --force replaces only a checkpoint tokq wrote: never the user's folder
     code, text = quantize(capsys, checkpoint, out, "--method", "rtn", "--group-size", 32, "--force")
-    assert code == 0 and not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert code == 2 and "is not a tokq checkpoint folder" in text and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert quantize(capsys, checkpoint, out, "--method", "rtn", "--group-size", 32, "--force")[0] == 0
+    code, text = quantize(capsys, checkpoint, out, "--method", "rtn", "--group-size", 16, "--force")
+    assert code == 0 and (out / "config.json").is_file()
 
 
 def test_group_size_that_does_not_divide_names_layer_and_sizes(capsys, project, checkpoint):

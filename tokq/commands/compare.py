@@ -252,7 +252,7 @@ def compare_cmd(
     if report_dir:  # refused before minutes of scoring, not after
         from tokq.reports.folder import check_report_folder
 
-        check_report_folder(report_dir)
+        check_report_folder(report_dir, "--report-dir")
     # thresholds given on the command line replace tokq.toml's [compare.thresholds] of the same name
     thresholds = {**thresholds_from_config(), **_thresholds({"max_kl": max_kl, "min_top1": min_top1,
                                                              "max_ppl_ratio": max_ppl_ratio,

@@ -7,16 +7,16 @@ variant interleaved by blocks of steps in one process for [bench] max_seconds (e
 with bootstrap intervals (evalsuite.speed_stats), speed rules from [gate.speed] (evalsuite.gate_rules). The
 verdict table lists failing rules first, then inconclusive ones, each with its measured value, 95% interval
 and threshold; reports go to --out (report.json, report.md, report.html, junit.xml, written atomically; a
-previous report there is removed when the gate starts, so an interrupted gate leaves none that looks
-complete), and the Markdown is appended to $GITHUB_STEP_SUMMARY when set. Quality numbers are seeded and
-identical on every rerun; speed is re-measured, and a rule the run cannot decide is "inconclusive" (exit 3),
-never a pass.
+previous report tokq wrote there is removed when the gate starts, so an interrupted gate leaves none that
+looks complete; a folder holding anything else is refused), and the Markdown is appended to
+$GITHUB_STEP_SUMMARY when set. Quality numbers are seeded and identical on every rerun; speed is re-measured,
+and a rule the run cannot decide is "inconclusive" (exit 3), never a pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import shutil
 import signal
 from pathlib import Path
 
@@ -36,7 +36,7 @@ def gate_cmd(
     config: Path = typer.Option(None, "--config", help="tokq.toml (default: $TOKQ_CONFIG or the nearest tokq.toml)."),
     variant: list[str] = typer.Option(None, "--variant", help="Gate only these variants (default: all in tokq.toml)."),
     data_set: str = typer.Option(None, "--data", help="Which \\[data.NAME] set (default: the first)."),
-    out: Path = typer.Option(Path("tokq_gate"), "--out", help="Report folder (replaced when the gate starts)."),
+    out: Path = typer.Option(Path("tokq_gate"), "--out", help="Report folder (a report tokq wrote there is removed when the gate starts)."),
     no_speed: bool = typer.Option(False, "--no-speed", help="Skip the bench and the speed rules."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
@@ -82,13 +82,16 @@ def gate_cmd(
     from tokq.reports.folder import check_report_folder
 
     check_report_folder(out)
+    from tokq.outputs import REPORT, output_lock, remove_owned
 
-    # From here on the run may take minutes: a stale report must not pass for this run's verdict, and a
-    # CI cancel (SIGTERM) must unwind like Ctrl-C so no half-written folder is left.
-    if out.exists():
-        shutil.rmtree(out)
+    # From here on the run may take minutes: a CI cancel (SIGTERM) must unwind like Ctrl-C so no half-written
+    # folder is left, and no other tokq process may write --out meanwhile.
+    held = contextlib.ExitStack()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        held.enter_context(output_lock(out))
+        # A stale report must not pass for this run's verdict: removed now, and only if tokq wrote it.
+        remove_owned(out, REPORT)
         checkpoints = {name: _checkpoint(project, name, threads) for name in names}
         report = {"tokq_version": __version__, "command": "gate", "config": str(path),
                   "config_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "base": _display_name(project.base),
@@ -107,6 +110,7 @@ def gate_cmd(
         console.print(f"report: {write_gate_report(out, report)}", highlight=False)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        held.close()
     if report["result"] == "fail":
         raise typer.Exit(EXIT_CHECK_FAILED)
     if report["result"] == "inconclusive":

@@ -89,7 +89,7 @@ def quantize_cmd(
     num_samples: int = typer.Option(32, "--num-samples", help="Calibration windows to draw."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
     name: str = typer.Option(None, "--name", help="Record the result as this variant in tokq.toml (e.g. int4)."),
-    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it is a checkpoint tokq wrote."),
     save_dtype: str = typer.Option("auto", "--save-dtype", help="dtype of scales and 16-bit tensors: auto (the source's), bf16, fp16, fp32."),
     json_path: Path = typer.Option(None, "--json", help="Write the run record (scheme, calibration, per-block stats) as JSON."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
@@ -103,8 +103,9 @@ def quantize_cmd(
     from tokq.engine.config import read_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
     from tokq.errors import ConfigError, DataError
+    from tokq.outputs import CHECKPOINT, check_replaceable, output_lock
     from tokq.paths import data_dir
-    from tokq.project import record_variant
+    from tokq.project import check_recordable, check_variant_name, record_variant, variants_file
     from tokq.quantize.api import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
     from tokq.quantize.calibration import calibration_samples
     from tokq.quantize.formats.compressed_tensors import save_quantized
@@ -121,85 +122,92 @@ def quantize_cmd(
     if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
         raise ConfigError(f"--recipe-sha256 {recipe_sha256!r} is not a sha256 (64 lowercase hex digits)")
     check_json_target(json_path)  # refused before the quantization, not after
-    if out.exists() and not force:
-        raise ConfigError(f"{out} already exists; choose another --out or pass --force to replace it")
-    runtime = setup_runtime(threads, device, seed)
-    checkpoint = resolve_model(model)
-    config = read_config(checkpoint)
-    resolved, notes = resolve_scheme(method, config, scheme, bits, group_size, sym)
-    for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
-    dtype = None if save_dtype == "auto" else parse_dtype(save_dtype)
-    calibration = None
-    # fp8 with --alpha: SmoothQuant's migration first, then the same FP8 quantization of weights and activations.
-    run_method = "smoothquant" if method == "fp8" and alpha_given else method
-    if run_method != method and resolved.activations is None:
-        raise ConfigError(f"--alpha smooths activation outliers before FP8 W8A8; scheme {resolved.name} keeps "
-                          "activations in 16-bit, so there is nothing to smooth")
-    if run_method in NEEDS_CALIBRATION:
-        if calib is None:
-            calib = data_dir() / "default"
-            if not calib.is_dir():
-                raise DataError(f"the default document set {calib} is not built yet: run `tokq data build-default` "
-                                "or pass --calib DIR")
-        tokenizer = load_tokenizer(checkpoint)
-        if seq_len > config.max_position_embeddings:
-            raise DataError(f"--seq-len {seq_len} exceeds the context of {model} ({config.max_position_embeddings} tokens)")
-        calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), num_samples, seq_len, seed)
-    elif calib is not None:
-        console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
+    if name is not None:  # the tokq.toml edit is checked now, not once the quantization is done
+        check_variant_name(name)
+        check_recordable(variants_file())
+    # The lock is held from before the checks on --out until the checkpoint is written and recorded: a second
+    # `tokq quantize --out` on the same folder fails here, before any work.
+    with output_lock(out):
+        if out.exists() and not force:
+            raise ConfigError(f"{out} already exists; choose another --out or pass --force to replace it")
+        check_replaceable(out, CHECKPOINT)  # --force replaces only a checkpoint tokq wrote, nothing added since
+        runtime = setup_runtime(threads, device, seed)
+        checkpoint = resolve_model(model)
+        config = read_config(checkpoint)
+        resolved, notes = resolve_scheme(method, config, scheme, bits, group_size, sym)
+        for note in notes:
+            console.print(f"[yellow]note:[/] {note}")
+        dtype = None if save_dtype == "auto" else parse_dtype(save_dtype)
+        calibration = None
+        # fp8 with --alpha: SmoothQuant's migration first, then the same FP8 quantization of weights and activations.
+        run_method = "smoothquant" if method == "fp8" and alpha_given else method
+        if run_method != method and resolved.activations is None:
+            raise ConfigError(f"--alpha smooths activation outliers before FP8 W8A8; scheme {resolved.name} keeps "
+                              "activations in 16-bit, so there is nothing to smooth")
+        if run_method in NEEDS_CALIBRATION:
+            if calib is None:
+                calib = data_dir() / "default"
+                if not calib.is_dir():
+                    raise DataError(f"the default document set {calib} is not built yet: run `tokq data build-default` "
+                                    "or pass --calib DIR")
+            tokenizer = load_tokenizer(checkpoint)
+            if seq_len > config.max_position_embeddings:
+                raise DataError(f"--seq-len {seq_len} exceeds the context of {model} ({config.max_position_embeddings} tokens)")
+            calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), num_samples, seq_len, seed)
+        elif calib is not None:
+            console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
 
-    options = MethodOptions(damp=damp)
-    if act_order is not None:
-        options.act_order = act_order
-    if alpha_given:
-        options.alpha = alpha_value
-    # Methods search and quantize in fp32 on CPU (bf16 matmuls there are slow and less exact).
-    lm = load_model(checkpoint, dtype="fp32", device=runtime.device)
-    dense_bytes = 2 * sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values())
-    blocks = len(lm.model.layers)
-    calib_desc = (f"{calibration.num_samples} x {calibration.seq_len} tokens from {calibration.source}"
-                  if calibration else "none")
-    console.print(f"quantizing {model} with {method} ({resolved.name}); calibration: {calib_desc}; "
-                  f"{runtime.device}, {runtime.threads} threads")
-    columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("blocks", total=blocks)
-        result = quantize_model(lm, run_method, resolved, calibration, options, on_block=lambda _i: progress.advance(task))
-    started_save = time.perf_counter()
-    provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
-                  "result": result.to_json(), "runtime": runtime.to_json()}
-    if recipe_sha256 is not None:
-        provenance["recipe_sha256"] = recipe_sha256  # in tokq_quantization.json, inside the atomic write
-    save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
-    save_seconds = time.perf_counter() - started_save
-    disk = _dir_bytes(out)
-    peak_gpu = None
-    if str(runtime.device).startswith("cuda"):
-        import torch
+        options = MethodOptions(damp=damp)
+        if act_order is not None:
+            options.act_order = act_order
+        if alpha_given:
+            options.alpha = alpha_value
+        # Methods search and quantize in fp32 on CPU (bf16 matmuls there are slow and less exact).
+        lm = load_model(checkpoint, dtype="fp32", device=runtime.device)
+        dense_bytes = 2 * sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values())
+        blocks = len(lm.model.layers)
+        calib_desc = (f"{calibration.num_samples} x {calibration.seq_len} tokens from {calibration.source}"
+                      if calibration else "none")
+        console.print(f"quantizing {model} with {method} ({resolved.name}); calibration: {calib_desc}; "
+                      f"{runtime.device}, {runtime.threads} threads")
+        columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("blocks", total=blocks)
+            result = quantize_model(lm, run_method, resolved, calibration, options, on_block=lambda _i: progress.advance(task))
+        started_save = time.perf_counter()
+        provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
+                      "result": result.to_json(), "runtime": runtime.to_json()}
+        if recipe_sha256 is not None:
+            provenance["recipe_sha256"] = recipe_sha256  # in tokq_quantization.json, inside the atomic write
+        save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
+        save_seconds = time.perf_counter() - started_save
+        disk = _dir_bytes(out)
+        peak_gpu = None
+        if str(runtime.device).startswith("cuda"):
+            import torch
 
-        peak_gpu = torch.cuda.max_memory_allocated(runtime.device)
+            peak_gpu = torch.cuda.max_memory_allocated(runtime.device)
 
-    table = Table(title=f"{model} -> {out} ({method}, {resolved.name})")
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    table.add_row("quantize time", f"{result.seconds:.1f} s ({result.seconds / blocks:.1f} s/block)")
-    table.add_row("write time", f"{save_seconds:.1f} s")
-    table.add_row("peak RSS", f"{result.peak_rss_mib:,.0f} MiB")
-    if peak_gpu is not None:
-        table.add_row("peak GPU memory", _mib(peak_gpu))
-    table.add_row("size on disk", f"{_mib(disk)} ({disk / dense_bytes:.2f}x the 16-bit model's {_mib(dense_bytes)})")
-    Console().print(table)
-    if name:
-        # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
-        toml = record_variant(name, out, {})
-        console.print(f"recorded variant [bold]{name}[/] in {toml}: `tokq score {name}` now uses {out}")
-    if json_path:
-        write_json(json_path, {
-            "tokq_version": __version__, "command": "quantize", "model": model, "checkpoint": str(checkpoint),
-            "out": str(out), "variant": name, "size_bytes": disk, "dense_16bit_bytes": dense_bytes,
-            "write_seconds": save_seconds, "peak_gpu_bytes": peak_gpu, **provenance,
-        })
+        table = Table(title=f"{model} -> {out} ({method}, {resolved.name})")
+        table.add_column("what")
+        table.add_column("value", justify="right")
+        table.add_row("quantize time", f"{result.seconds:.1f} s ({result.seconds / blocks:.1f} s/block)")
+        table.add_row("write time", f"{save_seconds:.1f} s")
+        table.add_row("peak RSS", f"{result.peak_rss_mib:,.0f} MiB")
+        if peak_gpu is not None:
+            table.add_row("peak GPU memory", _mib(peak_gpu))
+        table.add_row("size on disk", f"{_mib(disk)} ({disk / dense_bytes:.2f}x the 16-bit model's {_mib(dense_bytes)})")
+        Console().print(table)
+        if name is not None:
+            # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
+            toml = record_variant(name, out, {})
+            console.print(f"recorded variant [bold]{name}[/] in {toml}: `tokq score {name}` now uses {out}")
+        if json_path:
+            write_json(json_path, {
+                "tokq_version": __version__, "command": "quantize", "model": model, "checkpoint": str(checkpoint),
+                "out": str(out), "variant": name, "size_bytes": disk, "dense_16bit_bytes": dense_bytes,
+                "write_seconds": save_seconds, "peak_gpu_bytes": peak_gpu, **provenance,
+            })
 
 
 # Options a recipe cannot set: the gate sets them (model, out, force, threads, the recipe hash), or they would

@@ -31,7 +31,7 @@ from tokq import __version__
 from tokq.evalsuite.ab import BaselineWindow
 from tokq.evalsuite.full_kl import ATail
 from tokq.longctx.windows import TokenWindow
-from tokq.paths import atomic_write_text, tokq_home
+from tokq.paths import atomic_write_text, plain_mode, tokq_home
 
 log = logging.getLogger("tokq")
 _CHUNK = 1 << 20
@@ -157,6 +157,7 @@ def store(key: str, windows: Sequence[BaselineWindow], describe: dict, *,
             tensors[f"{i}.full_prob"] = torch.tensor([w.full_prob], dtype=torch.float64)
     tmp = folder / "scores.safetensors.tmp"
     save_file(tensors, str(tmp))
+    plain_mode(tmp)  # safetensors writes 0600: the cache may be shared
     tmp.replace(folder / "scores.safetensors")
     data = folder / "scores.safetensors"
     atomic_write_text(folder / "manifest.json", json.dumps(

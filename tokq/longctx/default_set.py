@@ -57,6 +57,7 @@ from typing import Any
 
 import tokq
 from tokq.errors import DataError
+from tokq.outputs import DOCUMENT_SET, check_replaceable
 from tokq.paths import atomic_directory
 
 from .documents import Document, UnusableText, decode_text, load_documents
@@ -298,6 +299,7 @@ def build_default_set(
     if max_documents < 1 or min_chars < 1 or max_chars < min_chars:
         raise ValueError("need max_documents >= 1 and 1 <= min_chars <= max_chars")
     out_dir = Path(out_dir)
+    check_replaceable(out_dir, DOCUMENT_SET)  # --force replaces only a set tokq built: refused before the scan
     specs = default_sources() if sources is None else list(sources)
     say = progress or (lambda _msg: None)
 
@@ -331,7 +333,7 @@ def build_default_set(
         tokens = {c.out_rel: len(encoder.encode(c.text)) for c in chosen}
 
     say(f"writing {len(chosen)} documents to {out_dir}")
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, DOCUMENT_SET, "tokq data build-default") as tmp:
         for c in chosen:
             path = tmp / c.out_rel
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ def write_report(folder: Path, result: dict, step_summary: bool = True) -> Path:
     return write_report_folder(folder, {
         "report.json": lambda: json.dumps(result, indent=2, default=str) + "\n",
         "report.md": lambda: compare_markdown(result), "report.html": lambda: compare_html(result),
-        "junit.xml": lambda: junit_xml(suite, result["thresholds"])}, step_summary)
+        "junit.xml": lambda: junit_xml(suite, result["thresholds"])}, step_summary, "tokq compare")
 
 
 # What a report.json that is not one of tokq's (hand-edited, truncated, another tool's) raises while it is

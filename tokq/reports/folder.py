@@ -12,29 +12,20 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from tokq.outputs import REPORT, check_replaceable
 from tokq.paths import atomic_directory
 
 
-def check_report_folder(folder: Path) -> None:
-    """Refuse to replace anything but an earlier report folder (or an empty one): `--out .` must not
-    delete the user's working directory."""
-    from tokq.errors import ConfigError
+def check_report_folder(folder: Path, option: str = "--out") -> None:
+    """Refuse to replace anything but a report folder tokq wrote (or an empty one), before any work: `--out .`
+    must not delete the user's working directory, nor a folder where the user keeps files next to a report."""
+    check_replaceable(Path(folder), REPORT, option)
 
+
+def write_report_folder(folder: Path, renderers: dict[str, Callable[[], str]], step_summary: bool = True,
+                        written_by: str = "tokq report") -> Path:
     folder = Path(folder)
-    if not folder.exists():
-        return
-    if not folder.is_dir():
-        raise ConfigError(f"{folder} is a file, not a report folder: choose another --out")
-    entries = {p.name for p in folder.iterdir()}
-    if entries and "report.json" not in entries:
-        raise ConfigError(f"{folder} exists and is not a tokq report folder (no report.json): choose another "
-                          "--out, or remove it yourself")
-
-
-def write_report_folder(folder: Path, renderers: dict[str, Callable[[], str]], step_summary: bool = True) -> Path:
-    folder = Path(folder)
-    check_report_folder(folder)
-    with atomic_directory(folder) as tmp:
+    with atomic_directory(folder, REPORT, written_by) as tmp:
         for name, render in renderers.items():
             (tmp / name).write_text(render(), encoding="utf-8")
     summary = os.environ.get("GITHUB_STEP_SUMMARY")

@@ -40,6 +40,7 @@ from tokq.engine.models import CausalLM
 from tokq.engine.quant_linear import QuantizedLinearMethod
 from tokq.errors import TokqError
 from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
+from tokq.outputs import CHECKPOINT
 from tokq.paths import atomic_directory
 from tokq.quantize.scheme import CHANNEL, QuantScheme
 
@@ -217,7 +218,8 @@ def save_quantized(
     `source_dir`: the checkpoint the model was loaded from; its tokenizer files are copied.
     `dtype`: for scales and unquantized tensors; default the source checkpoint's dtype (bf16 if unknown).
     `provenance`: what produced it (method, calibration, versions); written to tokq_quantization.json.
-    The directory appears complete or not at all; an existing one is replaced only with `force=True`.
+    The directory appears complete or not at all; an existing one is replaced only with `force=True`, and only
+    if tokq wrote it as a checkpoint with nothing added since (outputs.check_replaceable).
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
@@ -235,7 +237,7 @@ def save_quantized(
     raw.pop("quantization_config", None)
     raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = DTYPE_NAMES[dtype]
     raw["quantization_config"] = quantization_config(scheme, ignore)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, CHECKPOINT, "tokq quantize") as tmp:
         _write_safetensors(tensors, tmp)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if source_dir is not None:
