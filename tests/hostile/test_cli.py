@@ -130,7 +130,8 @@ def test_gate_with_a_nan_variant_fails(capsys, models, docs, tmp_path, speed):
     out = tmp_path / "report"
     code = main(["gate", "--config", str(_nan_project(models, docs, tmp_path, speed)), "--out", str(out),
                  "--threads", "1"])
-    text = " ".join((capsys.readouterr().out + capsys.readouterr().err).split())
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
     assert code == 1, text
     report = json.loads((out / "report.json").read_text())
     rules = report["variants"]["broken"]["rules"]

@@ -34,7 +34,7 @@ def score_cmd(
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
-    from tokq.errors import DataError
+    from tokq.errors import DataError, ModelError
     from tokq.evalsuite.perplexity import score_windows
     from tokq.longctx.documents import load_documents
     from tokq.longctx.windows import as_text_encoder, build_windows
@@ -98,3 +98,8 @@ def score_cmd(
             **result.to_json(),
         }
         write_json(json_path, payload)
+    if result.non_finite:  # after the table and the JSON, which show where: NaN must never exit 0
+        broken = sum(1 for d in result.documents if d.non_finite)
+        raise ModelError(f"{model} produced non-finite log-probabilities (NaN or inf) on {result.non_finite} of "
+                         f"{result.tokens} scored tokens ({broken} of {len(result.documents)} documents): its weights "
+                         f"or the {dtype} compute overflow; check the checkpoint, or score it with --dtype fp32")

@@ -70,6 +70,7 @@ class TokenMetrics:
     coverage: torch.Tensor  # A's probability mass on its top-k
     position: torch.Tensor  # int64: index of the predicted token in its window
     doc_index: torch.Tensor  # int64
+    non_finite: torch.Tensor  # bool: B's log-probabilities of the token hold NaN or inf (a broken model)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {"kl": self.kl, "kl_topk": self.kl_topk, "top1": self.top1, "delta_nll": self.delta_nll,
@@ -134,18 +135,26 @@ def score_candidate(engine: LLMEngine, windows: Sequence[TokenWindow], baseline:
                           gather_ids=gathers, full_rows=masks)
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "kl", "kl_topk", "kl_gap", "sampled", "top1", "delta_nll", "delta_p", "accept", "coverage", "position",
-        "doc_index")}
+        "doc_index", "non_finite")}
     for window, base, score, doc in zip(windows, baseline, scores, doc_index, strict=True):
         rows = scored_rows(window)
         metrics = token_metrics(base, score.logprobs[rows], score.topk_logprobs[rows, 0], score.gathered[rows],
                                 engine.model.config.vocab_size)
         metrics.update(_tail_estimate(base, metrics["kl_topk"], score.gathered[rows], score.full_logprobs))
+        metrics["non_finite"] = non_finite_rows(score.logprobs[rows], score.gathered[rows])
         for key, value in metrics.items():
             parts[key].append(value)
         positions = torch.arange(rows.start + 1, rows.stop + 1)
         parts["position"].append(positions)
         parts["doc_index"].append(torch.full_like(positions, doc))
     return TokenMetrics(**{k: torch.cat(v) if v else torch.empty(0) for k, v in parts.items()})
+
+
+def non_finite_rows(logprob: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Per row, whether a model's scores are broken: the actual token's log-probability is NaN or infinite
+    (finite logits never give either), or a kept log-probability [rows, k] is NaN. Such a row makes every
+    metric NaN, and NaN fails no comparison: it must be counted and fail the run, never read as a pass."""
+    return ~torch.isfinite(logprob) | torch.isnan(kept).any(-1)
 
 
 def token_metrics(base: BaselineWindow, logprob_b: torch.Tensor, max_logprob_b: torch.Tensor,

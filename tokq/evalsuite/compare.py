@@ -30,7 +30,7 @@ from tokq import __version__
 from tokq.engine.config import read_config
 from tokq.errors import DataError
 from tokq.evalsuite import baseline_cache
-from tokq.evalsuite.ab import BaselineWindow, TokenMetrics, score_baseline, score_candidate
+from tokq.evalsuite.ab import BaselineWindow, TokenMetrics, non_finite_rows, score_baseline, score_candidate
 from tokq.evalsuite.full_kl import A_TAIL_DTYPE, kind_of, lower_bound_verdict, systematic_sample
 from tokq.evalsuite.stats import aggregate, check_threshold, mcnemar_exact, proportion
 from tokq.longctx.windows import TokenWindow, WindowSet
@@ -172,10 +172,34 @@ def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str]
                        "b_tokens_per_s": scored_tokens / b_seconds if b_seconds else None,
                        "a_seconds": a_seconds, "b_seconds": b_seconds, "scored_tokens": scored_tokens},
         "kernels": {"b": engine_b.kernel_names},
+        "non_finite": _non_finite([*base_prefill, *base_decode], [prefill, decode]),
     }
-    result["thresholds"] = evaluate_thresholds(result, s.thresholds, s.threshold_on)
+    result["thresholds"] = finite_rules(result) + evaluate_thresholds(result, s.thresholds, s.threshold_on)
     result["passed"] = all(t["passed"] for t in result["thresholds"])
     return result
+
+
+def _non_finite(baseline: list[BaselineWindow], paths: list[TokenMetrics | None]) -> dict:
+    """Scored tokens (prefill and decode paths) where A's or B's scores are NaN or inf (ab.non_finite_rows)."""
+    return {"a_tokens": sum(int(non_finite_rows(w.logprob, w.topk_logprobs).sum()) for w in baseline),
+            "b_tokens": sum(int(m.non_finite.sum()) for m in paths if m is not None),
+            "scored_tokens": sum(m.tokens for m in paths if m is not None)}
+
+
+def finite_rules(result: dict) -> list[dict]:
+    """A failing rule for each model whose scores are NaN or inf on any token: a broken build (a bad checkpoint,
+    an overflowing dtype). Every figure is NaN there and NaN fails no threshold, so without this rule such a run
+    would read as a pass, or as inconclusive under thresholds; a gate must block it."""
+    counts = result.get("non_finite") or {}
+    rows = []
+    for side in ("a", "b"):
+        n = counts.get(f"{side}_tokens", 0)
+        if n:
+            rows.append({"name": "finite_scores", "metric": "non_finite_tokens", "bucket": None, "threshold": 0,
+                         "value": n, "low": None, "high": None, "passed": False,
+                         "rule": f"model {side.upper()} ({result[side]['name']}) produced non-finite logits (NaN or "
+                                 f"inf) on {n} of {counts['scored_tokens']} scored tokens: a broken build"})
+    return rows
 
 
 def _aggregate(metrics: TokenMetrics, doc_ids: list[str], s: CompareSettings) -> dict:
@@ -306,6 +330,7 @@ def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, flo
     from tokq.evalsuite.stats import Estimate
 
     kl_kind = ((result.get("kl_estimator") or {}).get("prefill") or {}).get("kind")
+    broken = any((result.get("non_finite") or {}).get(key) for key in ("a_tokens", "b_tokens"))
     out = []
     for name, per_bucket in thresholds.items():
         metric, direction = THRESHOLD_METRICS[name]
@@ -343,6 +368,10 @@ def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, flo
             high = math.inf if entry["high"] is None else entry["high"]
             est = Estimate(math.nan if entry["value"] is None else entry["value"], low, high, entry["n_tokens"],
                            entry["n_docs"])
+            if broken and not math.isfinite(est.value):  # not "no interval": finite_scores says why
+                out.append({**row, "passed": False, "inconclusive": True, **_interval(est),
+                            "rule": f"{metric} is not a number: the scores hold NaN or inf (see finite_scores)"})
+                continue
             lower_bound = (metric == "kl" and kl_kind == "lower_bound") or (metric in KL_TAIL_METRICS and kl_kind
                                                                               not in (None, "exact"))
             if lower_bound:

@@ -25,6 +25,7 @@ class DocumentScore:
     tokens: int = 0  # scored (predicted) tokens
     nll_sum: float = 0.0
     windows: int = 0
+    non_finite: int = 0  # scored tokens whose NLL is NaN or inf: a broken model, not a number to report
 
     @property
     def mean_nll(self) -> float:
@@ -56,6 +57,10 @@ class ScoreResult:
         return math.exp(self.mean_nll)
 
     @property
+    def non_finite(self) -> int:
+        return sum(d.non_finite for d in self.documents)
+
+    @property
     def tokens_per_second(self) -> float:
         return self.window_tokens / self.seconds if self.seconds else float("nan")
 
@@ -64,6 +69,7 @@ class ScoreResult:
             "perplexity": self.perplexity,
             "mean_nll": self.mean_nll,
             "scored_tokens": self.tokens,
+            "non_finite_tokens": self.non_finite,
             "window_tokens": self.window_tokens,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
@@ -105,6 +111,7 @@ def score_windows(
         doc = by_doc.setdefault(window.doc_id, DocumentScore(window.doc_id))
         doc.tokens += int(nll.shape[0] - first)
         doc.nll_sum += float(nll[first:].double().sum())
+        doc.non_finite += int((~torch.isfinite(nll[first:])).sum())
         doc.windows += 1
         run_tokens += len(window.tokens)
         if on_window:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -53,11 +54,12 @@ def metric_by_bucket(results: dict[str, dict], metric: str, label: str, path: st
     for i, (name, result) in enumerate(results.items()):
         buckets = result[path]["buckets"]
         labels = list(buckets)
-        values = [buckets[b][metric]["value"] for b in labels]
+        # a value that is not a number (null in the JSON: a model with NaN scores) draws no point
+        values = [math.nan if buckets[b][metric]["value"] is None else buckets[b][metric]["value"] for b in labels]
         # a bound the sample does not give (null in the JSON: one document) draws no bar on that side
-        low = [0.0 if buckets[b][metric]["low"] is None else v - buckets[b][metric]["low"]
+        low = [0.0 if buckets[b][metric]["low"] is None or math.isnan(v) else v - buckets[b][metric]["low"]
                for v, b in zip(values, labels, strict=True)]
-        high = [0.0 if buckets[b][metric]["high"] is None else buckets[b][metric]["high"] - v
+        high = [0.0 if buckets[b][metric]["high"] is None or math.isnan(v) else buckets[b][metric]["high"] - v
                 for v, b in zip(values, labels, strict=True)]
         xs = [x + 0.06 * (i - (len(results) - 1) / 2) for x in range(len(labels))]
         ax.errorbar(xs, values, yerr=[low, high], marker="o", capsize=3, label=name)
@@ -130,7 +132,8 @@ def speed_ratios(rules_by_variant: dict[str, list[dict]]) -> str:
         color = {"pass": "tab:green", "inconclusive": "tab:olive", "fail": "tab:red"}[r["result"]]
         if r.get("low") is not None:
             ax.plot([r["low"], r["high"]], [y, y], color=color, lw=3, alpha=0.6)
-        ax.plot([r["value"]], [y], "o", color=color, ms=6)
+        if r.get("value") is not None:
+            ax.plot([r["value"]], [y], "o", color=color, ms=6)
         ax.plot([r["threshold"]] * 2, [y - 0.4, y + 0.4], color="black", lw=2)
     ax.set_yticks(range(len(entries)), [f"{name}: {r['metric']}" for name, r in entries])
     ax.axvline(1.0, color="grey", lw=0.8, ls=":")
