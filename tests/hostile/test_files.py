@@ -172,6 +172,40 @@ def test_recipe_naming_an_output_path_or_unknown_key_is_refused_at_load(capsys, 
         (project / "base").unlink()
 
 
+def test_build_default_force_over_a_user_folder_is_refused(capsys, tmp_path):
+    """Hostile: `tokq data build-default --out MYDIR --force` where MYDIR is the user's folder: refused before the
+    scan, never replaced."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    code, text = run(capsys, "data", "build-default", "--out", mine, "--force", "--model", "none")
+    assert code == 2 and f"{mine} exists and is not a tokq document set folder" in text, text
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_default_set_rebuild_replaces_its_own_and_an_earlier_tokq_set(tmp_path):
+    """Hostile (the other side): a set tokq built, and one built by a tokq without markers (MANIFEST.json and
+    the documents it lists), are rebuilt; the same set with a user file added is not."""
+    from tokq.errors import ConfigError
+    from tokq.longctx.default_set import SourceSpec, build_default_set
+
+    root = tmp_path / "src"
+    (root / "sub").mkdir(parents=True)
+    for i in range(3):
+        (root / ("sub" if i else ".") / f"doc{i}.txt").write_text(f"document {i} " * 100)
+    tree = [SourceSpec("docs", "docs-pkg", root, ("**/*.txt",), "MIT")]
+    out = tmp_path / "set"
+    build_default_set(out, sources=tree, min_chars=200, max_chars=2000)
+    assert json.loads((out / MARKER).read_text())["kind"] == "document-set"
+    build_default_set(out, sources=tree, min_chars=200, max_chars=2000)
+    (out / MARKER).unlink()
+    build_default_set(out, sources=tree, min_chars=200, max_chars=2000)
+    (out / "extra.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="extra.txt"):
+        build_default_set(out, sources=tree, min_chars=200, max_chars=2000)
+    assert (out / "extra.txt").read_text() == "mine"
+
+
 HOLD = textwrap.dedent("""
     import fcntl, os, sys, time
     fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666)
@@ -250,6 +284,23 @@ def test_gate_on_a_report_folder_another_process_writes_fails_fast(capsys, check
         code, text = run(capsys, "gate", "--config", path, "--out", out, "--no-speed", "--threads", 1)
         assert code == 2 and f"another tokq process (pid {proc.pid}) is writing {out}" in text, text
         assert not out.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_gate_building_a_variant_another_process_builds_fails_fast(capsys, checkpoint, docs, project):
+    """Hostile: two gates on one project build the same recipe variant at once: the second is refused, naming
+    the other process, not told to fix its recipe."""
+    path = gate_project(project, checkpoint, docs, 'v = { path = "built/v", recipe = { method = "rtn", '
+                                                   'group_size = 32 } }')
+    (project / "built").mkdir()
+    proc = hold_lock(project / "built" / "v")
+    try:
+        code, text = run(capsys, "gate", "--config", path, "--out", project / "r", "--no-speed", "--threads", 1)
+        assert code == 2 and f"another tokq process (pid {proc.pid}) is writing {project / 'built' / 'v'}" in text
+        assert "path for variant v in tokq.toml" in text and "fix the recipe" not in text, text
+        assert not (project / "built" / "v").exists() and not (project / "r").exists()
     finally:
         proc.kill()
         proc.wait()

@@ -201,16 +201,25 @@ def _foreign_checkpoint(project, name: str, target: Path):
 def _checkpoint(project, name: str, threads: int | None) -> Path:
     """The variant's checkpoint; one with a recipe is built with `tokq quantize` when missing, reused when it
     records this recipe's hash (recipe table + base model content), rebuilt when it records another."""
+    from tokq.outputs import output_lock
+
+    target = _variant_target(project, name)
+    recipe = project.variants[name].recipe
+    if recipe is None:
+        return target
+    # Held from reading the recorded hash to the end of the build (the `tokq quantize` run in this process
+    # takes it again): another gate building the same variant is refused, not raced.
+    with output_lock(target, f"path for variant {name} in {project.path.name}"):
+        return _from_recipe(project, name, recipe, target, threads)
+
+
+def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | None) -> Path:
     from tokq.cli import main
     from tokq.commands.quantize import recipe_options
     from tokq.errors import EXIT_INTERNAL, EXIT_INTERRUPTED
     from tokq.evalsuite.baseline_cache import model_hash
     from tokq.quantize.api import recipe_sha256, recorded_recipe_sha256
 
-    target = _variant_target(project, name)
-    recipe = project.variants[name].recipe
-    if recipe is None:
-        return target
     base = _base_checkpoint(project)
     wanted = recipe_sha256(recipe, model_hash(base))
     recorded = recorded_recipe_sha256(target) if target.is_dir() else None
