@@ -290,7 +290,7 @@ def resolve_model(name_or_path: str, pull: bool = True, *, variants: bool = True
             raise ModelError(f"zoo model {name_or_path} is not pulled yet: run `tokq models pull {name_or_path}`")
         return pull_model(name_or_path)
     path = Path(name_or_path).expanduser()
-    if path.exists():
+    if path.exists() or path.is_symlink():  # a looping or dangling link: read_config says which
         return path
     if "/" in name_or_path or name_or_path.startswith((".", "~")):
         raise ModelError(f"model directory {name_or_path} does not exist: pass a checkpoint directory "

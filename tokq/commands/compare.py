@@ -83,7 +83,7 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     from tokq.engine.config import read_config
     from tokq.engine.kv_cache import parse_bytes
     from tokq.engine.llm_engine import EngineConfig, LLMEngine
-    from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.engine.tokenizer import check_windows_fit, load_tokenizer, model_adds_bos
     from tokq.errors import ConfigError, DataError
     from tokq.evalsuite.compare import CompareSettings, ModelRun, run_compare, token_window_docs
     from tokq.longctx.documents import load_documents
@@ -128,6 +128,7 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
         windows = windows.sample(sample_windows)
     if not windows.windows:
         raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
+    check_windows_fit(windows.windows, config_a.vocab_size, a, tok_a)
     capacity = window - int(add_bos)
     used = {w.doc_id for w in windows.windows}
     shorter = sum(1 for d in used if len(encoded[d]) <= capacity)

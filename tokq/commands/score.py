@@ -33,7 +33,7 @@ def score_cmd(
     """Perplexity of MODEL on a folder of documents, per document and overall."""
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
-    from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.engine.tokenizer import check_windows_fit, load_tokenizer, model_adds_bos
     from tokq.errors import DataError, ModelError
     from tokq.evalsuite.perplexity import score_windows
     from tokq.longctx.documents import load_documents
@@ -62,6 +62,7 @@ def score_cmd(
         windows = windows.sample(sample_windows)
     if not windows.windows:
         raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
+    check_windows_fit(windows.windows, read_config(checkpoint).vocab_size, model, tokenizer)
     lm = load_model(checkpoint, dtype=dtype, device=runtime.device)
 
     columns = (TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeRemainingColumn())

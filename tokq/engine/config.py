@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# More layers than any released model has (the largest have ~128). The layer count is the one size checked
+# against a cap rather than against the weights: tokq builds one module (and one layer-type entry) per layer
+# before it can compare the modules with the checkpoint, so 10^9 layers would exhaust memory first.
+MAX_LAYERS = 4096
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,19 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
+def _positive_float(value: Any, key: str, where: str) -> float:
+    """A finite number > 0: NaN or a negative value would turn every logit into NaN (or a complex scale)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelError(f"{where}: {key} = {value!r} must be a positive number; restore config.json from the "
+                         "original checkpoint")
+    return float(value)
+
+
+def _optional_positive(cfg: dict[str, Any], key: str, where: str) -> float | None:
+    value = cfg.get(key)
+    return None if value is None else _positive_float(value, key, where)
+
+
 def _parse_rope(raw: dict[str, Any], theta_key_default: float, where: str) -> RopeConfig:
     rope_type = raw.get("rope_type", raw.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -103,9 +121,9 @@ def _parse_rope(raw: dict[str, Any], theta_key_default: float, where: str) -> Ro
             f"{where}: RoPE scaling type '{rope_type}' is not supported; tokq supports {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     return RopeConfig(
-        theta=float(raw.get("rope_theta", theta_key_default)),
+        theta=_positive_float(raw.get("rope_theta", theta_key_default), "rope_theta", where),
         rope_type=rope_type,
-        factor=float(raw.get("factor", 1.0) or 1.0),
+        factor=_positive_float(raw.get("factor", 1.0) or 1.0, "rope factor", where),
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=raw.get("original_max_position_embeddings"),
@@ -133,16 +151,81 @@ def _rope_by_layer_type(cfg: dict[str, Any], family: str, where: str) -> dict[st
     return {FULL: full, SLIDING: full}
 
 
-def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[list[str], int | None]:
+def _int_field(cfg: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
+    """cfg[key] as a JSON integer >= minimum. A bool, a fraction, NaN or a string is refused rather than
+    truncated by int(): `hidden_size: 64.5` or `"64"` means the file was edited or damaged, not a size."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ModelError(f"{where}: {key} is missing; is this a complete HF config.json?")
+        value = default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 64.0 is a size some converters write
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelError(f"{where}: {key} = {value!r} is not an integer; restore config.json from the original checkpoint")
+    if value < minimum:
+        raise ModelError(f"{where}: {key} = {value} must be at least {minimum}; restore config.json from the "
+                         "original checkpoint")
+    return value
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The sizes the model's modules are built from, validated before anything is built."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    num_layers: int
+    vocab: int
+    intermediate: int
+    max_positions: int
+
+
+def _sizes(cfg: dict[str, Any], where: str) -> _Sizes:
+    hidden = _int_field(cfg, "hidden_size", where)
+    heads = _int_field(cfg, "num_attention_heads", where)
+    kv_heads = _int_field(cfg, "num_key_value_heads", where, default=heads)
+    num_layers = _int_field(cfg, "num_hidden_layers", where)
+    if num_layers > MAX_LAYERS:
+        raise ModelError(f"{where}: num_hidden_layers = {num_layers} is more than tokq accepts ({MAX_LAYERS}); "
+                         "restore config.json from the original checkpoint")
+    if heads % kv_heads:
+        raise ModelError(f"{where}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = "
+                         f"{kv_heads}; restore config.json from the original checkpoint")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ModelError(f"{where}: hidden_size = {hidden} is not a multiple of num_attention_heads = {heads} and "
+                         "no head_dim is given; restore config.json from the original checkpoint")
+    head_dim = _int_field(cfg, "head_dim", where, default=hidden // heads)
+    if head_dim % 2:
+        # RoPE rotates the two halves of every head: an odd head_dim has no halves.
+        raise ModelError(f"{where}: head_dim = {head_dim} is odd; RoPE needs an even head size")
+    return _Sizes(hidden, heads, kv_heads, head_dim, num_layers, _int_field(cfg, "vocab_size", where),
+                  _int_field(cfg, "intermediate_size", where),
+                  _int_field(cfg, "max_position_embeddings", where, default=2048))
+
+
+def _check_layer_types(types: list[str], num_layers: int, where: str) -> None:
+    if len(types) != num_layers or any(t not in (FULL, SLIDING) for t in types):
+        raise ModelError(f"{where}: layer_types must list {num_layers} entries (num_hidden_layers), each "
+                         f"'{FULL}' or '{SLIDING}'; restore config.json from the original checkpoint")
+
+
+def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int, where: str) -> tuple[list[str], int | None]:
     window = cfg.get("sliding_window")
+    if window is not None and window is not False:
+        window = _int_field(cfg, "sliding_window", where, minimum=0) or None
     if cfg.get("layer_types"):
-        types = list(cfg["layer_types"])
+        types = list(cfg["layer_types"]) if isinstance(cfg["layer_types"], list) else []
+        _check_layer_types(types, num_layers, where)
     elif arch == "Gemma3ForCausalLM":
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+        key = "sliding_window_pattern" if "sliding_window_pattern" in cfg else "_sliding_window_pattern"
+        pattern = _int_field(cfg, key, where, default=6)
         types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         use = bool(cfg.get("use_sliding_window", False))
-        first = int(cfg.get("max_window_layers", num_layers))
+        first = _int_field(cfg, "max_window_layers", where, default=num_layers, minimum=0)
         types = [SLIDING if use and window and i >= first else FULL for i in range(num_layers)]
     elif arch == "MistralForCausalLM" and window:
         types = [SLIDING] * num_layers
@@ -164,24 +247,24 @@ def parse_config(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig
             f"{where}: architecture {arch} is not supported; tokq runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    # Sizes first, each a positive integer that divides as the modules need: nothing is built from them
+    # until they are, and load_model then compares them with the checkpoint's tensor shapes.
+    sizes = _sizes(cfg, where)
+    hidden, heads, num_layers, head_dim = sizes.hidden, sizes.heads, sizes.num_layers, sizes.head_dim
+    layer_types, window = _layer_types(cfg, arch, num_layers, where)
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        num_layers = int(cfg["num_hidden_layers"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        layer_types, window = _layer_types(cfg, arch, num_layers)
         common = dict(
             architecture=arch,
             family=family,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=sizes.vocab,
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=sizes.intermediate,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=sizes.kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+            max_position_embeddings=sizes.max_positions,
             hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
             sliding_window=int(window) if window else None,
             layer_types=layer_types,
@@ -193,6 +276,10 @@ def parse_config(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"{where}: missing or invalid field {exc}; is this a complete HF config.json?") from exc
+    no_rope = sorted(set(layer_types) - set(common["rope"]))
+    if no_rope:
+        raise ModelError(f"{where}: rope_parameters has no entry for the layer type(s) {', '.join(no_rope)}; "
+                         "restore config.json from the original checkpoint")
 
     if family == "gemma3":
         # attn_logit_softcapping is a Gemma 2 leftover in Gemma 3 configs: Gemma 3 does not apply it
@@ -205,8 +292,9 @@ def parse_config(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig
             qk_norm=True,
             norm_weight_offset=1.0,
             embed_scale=math.sqrt(hidden),
-            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            attn_scale=_positive_float(cfg.get("query_pre_attn_scalar", head_dim), "query_pre_attn_scalar",
+                                       where) ** -0.5,
+            final_logit_softcap=_optional_positive(cfg, "final_logit_softcapping", where),
         )
     is_qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(cfg.get("attention_bias", False))
@@ -220,9 +308,30 @@ def parse_config(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig
     )
 
 
+def checkpoint_file(path: Path) -> bool:
+    """Whether a checkpoint file exists (following symlinks, as HF's cache layout needs). A symlink loop, a
+    link to nothing or a folder where the file belongs is a ModelError, not an OSError or a 'missing'."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise ModelError(f"{path} is a symlink to nothing ({os.readlink(path)}): replace it with the file "
+                             "from the original checkpoint") from None
+        return False
+    except OSError as exc:  # ELOOP: a symlink loop; EACCES
+        raise ModelError(f"{path} cannot be read ({exc.strerror}; a symlink loop?): replace it with the file from "
+                         "the original checkpoint") from None
+    if not path.is_file():
+        raise ModelError(f"{path} is not a regular file: replace it with the file from the original checkpoint")
+    return True
+
+
 def read_config(checkpoint_dir: Path) -> ModelConfig:
     """Read `<dir>/config.json` with errors that name the file and the fix."""
     checkpoint_dir = Path(checkpoint_dir)
+    if checkpoint_dir.is_symlink() and not checkpoint_dir.exists():
+        raise ModelError(f"model directory {checkpoint_dir} is a symlink that leads nowhere (a loop or a missing "
+                         "target): pass the checkpoint directory itself")
     if not checkpoint_dir.exists():
         raise ModelError(
             f"model directory {checkpoint_dir} does not exist: pass a checkpoint directory "
@@ -231,11 +340,11 @@ def read_config(checkpoint_dir: Path) -> ModelConfig:
     if not checkpoint_dir.is_dir():
         raise ModelError(f"{checkpoint_dir} is a file: pass the checkpoint directory that holds config.json")
     path = checkpoint_dir / "config.json"
-    if not path.is_file():
+    if not checkpoint_file(path):
         raise ModelError(f"{path} is missing: a checkpoint directory needs config.json beside its safetensors")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelError(f"{path} is not valid JSON ({exc}); restore it from the original checkpoint") from exc
     if not isinstance(cfg, dict):
         raise ModelError(f"{path} does not hold a JSON object; restore it from the original checkpoint")

@@ -41,7 +41,8 @@ from tokq.engine.runner import ModelRunner
 from tokq.engine.sampling import SamplingParams, check_stop, make_generator, sample, truncate_at_stop_string
 from tokq.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tokq.engine.sequence import ScoreRequest, Sequence, Status
-from tokq.errors import TokqError
+from tokq.engine.tokenizer import check_token_ids
+from tokq.errors import ModelError, TokqError
 
 SCORE_LOGITS_CHUNK = 256  # rows of full-vocabulary logits at a time (256 x 262K x 4 B = 268 MB at most)
 
@@ -199,9 +200,10 @@ class LLMEngine:
         tokens = self._tokens(prompt)
         if not tokens:
             raise EngineError("the prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
-        if min(tokens) < 0 or max(tokens) >= vocab:
-            raise EngineError(f"the prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        try:
+            check_token_ids(tokens, self.model.config.vocab_size, self.model.name, self.tokenizer)
+        except ModelError as exc:
+            raise EngineError(f"the prompt's {exc.message}") from None
         new_tokens = 0 if score is not None else params.max_tokens
         limit = self.max_model_len - new_tokens
         if len(tokens) > limit:
@@ -405,6 +407,11 @@ class LLMEngine:
             if gather is not None and (gather.dim() != 2 or gather.shape[0] != len(tokens) - 1):
                 raise EngineError(f"gather_ids for a window of {len(tokens)} tokens must be [{len(tokens) - 1}, k], "
                                   f"got {tuple(gather.shape)}")
+            if gather is not None:
+                try:  # they index the log-probabilities: one beyond the vocabulary is an IndexError in torch
+                    check_token_ids(gather, self.model.config.vocab_size, self.model.name)
+                except ModelError as exc:
+                    raise EngineError(f"gather_ids: {exc.message}") from None
             if full is not None and (full.dtype != torch.bool or full.shape != (len(tokens) - 1,)):
                 raise EngineError(f"full_rows for a window of {len(tokens)} tokens must be a bool [{len(tokens) - 1}] "
                                   f"mask, got {full.dtype} {tuple(full.shape)}")

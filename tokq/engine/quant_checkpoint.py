@@ -44,15 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from tokq.engine.checkpoint import (
-    _check_safetensors_file,
     check_all_filled,
     checkpoint_targets,
     copy_dense_tensor,
     iter_tensors,
-    safetensors_files,
+    read_checkpoint_header,
 )
 from tokq.engine.layers import Linear
 from tokq.engine.models import CausalLM
@@ -509,12 +507,8 @@ def _to_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight
 
 
 def _checkpoint_keys(checkpoint_dir: Path) -> set[str]:
-    keys: set[str] = set()
-    for path in safetensors_files(checkpoint_dir):
-        _check_safetensors_file(path)
-        with safe_open(str(path), framework="pt") as f:
-            keys.update(f.keys())
-    return keys
+    """Every tensor name, from the validated headers of exactly the checkpoint's files (no data read)."""
+    return set(read_checkpoint_header(checkpoint_dir))
 
 
 @dataclass
@@ -532,11 +526,14 @@ class _PendingLinear:
         self.tensors.clear()
 
 
-def load_quantized_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.dtype, qc: dict) -> None:
-    """Fill `model` from a quantized checkpoint: quantized projections become quantized Linears."""
+def load_quantized_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.dtype, qc: dict,
+                           fmt: QuantFormat | None = None) -> None:
+    """Fill `model` from a quantized checkpoint: quantized projections become quantized Linears.
+
+    `fmt`: the format read from `qc` already (load_model reads it once, to vet the tensors first)."""
     checkpoint_dir = Path(checkpoint_dir)
     where = str(checkpoint_dir / "config.json")
-    fmt = quant_format(qc, where)
+    fmt = fmt or quant_format(qc, where)
     keys = _checkpoint_keys(checkpoint_dir)
     device = model.device
     targets = checkpoint_targets(model)

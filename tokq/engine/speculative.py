@@ -70,6 +70,8 @@ from tokq.engine.sampling import (
 )
 from tokq.engine.scheduler import ScheduledStep
 from tokq.engine.sequence import Sequence, Status
+from tokq.engine.tokenizer import check_token_ids
+from tokq.errors import ModelError
 
 logger = logging.getLogger("tokq")
 
@@ -236,9 +238,11 @@ class SpeculativeDecoder:
         tokens = self._tokens(prompt)
         if not tokens:
             raise EngineError("the prompt is empty: give at least one token")
-        vocab = self.target.model.config.vocab_size
-        if min(tokens) < 0 or max(tokens) >= vocab:
-            raise EngineError(f"the prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        try:
+            target = self.target
+            check_token_ids(tokens, target.model.config.vocab_size, target.model.name, target.tokenizer)
+        except ModelError as exc:
+            raise EngineError(f"the prompt's {exc.message}") from None
         total = len(tokens) + params.max_tokens
         if total > self.max_model_len:
             raise EngineError(

@@ -32,3 +32,36 @@ def model_adds_bos(tokenizer) -> bool:
         return False
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
     return bool(ids) and ids[0] == bos
+
+
+def token_id_error(model: str, token_id: int, vocab_size: int, tokenizer=None) -> ModelError:
+    """The error for an id the model's embedding has no row for: a tokenizer from another model (or a bigger
+    one), or ids given directly. Without this check it is an IndexError deep in torch, or a CUDA assert."""
+    tok = f"the tokenizer holds {len(tokenizer)} tokens, " if tokenizer is not None else ""
+    return ModelError(f"token id {token_id} is outside the vocabulary of {model} ({tok}its embedding has "
+                      f"{vocab_size} rows, ids 0..{vocab_size - 1}): use the tokenizer of this checkpoint, or ids "
+                      "below its vocab_size")
+
+
+def check_token_ids(ids, vocab_size: int, model: str, tokenizer=None) -> None:
+    """Raise token_id_error for the first id outside [0, vocab_size); `ids`: a tensor or a sequence of ints."""
+    import torch
+
+    if isinstance(ids, torch.Tensor):
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+    else:
+        if not ids:
+            return
+        lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        raise token_id_error(model, hi if hi >= vocab_size else lo, vocab_size, tokenizer)
+
+
+def check_windows_fit(windows, vocab_size: int, model: str, tokenizer) -> None:
+    """Every window's ids (TokenWindow.tokens) inside the model's embedding: a cheap check on the host, made
+    before the weights are read, so a tokenizer bigger than the embedding fails with its sizes named."""
+    for window in windows:
+        check_token_ids(window.tokens, vocab_size, model, tokenizer)
+

@@ -24,6 +24,7 @@ from torch import nn
 from tokq.engine.attention import DenseCausalAttention
 from tokq.engine.layers import Linear
 from tokq.engine.models import CausalLM
+from tokq.engine.tokenizer import check_token_ids
 from tokq.errors import DataError
 
 log = logging.getLogger("tokq")
@@ -154,6 +155,8 @@ class BlockwiseRunner:
 
     def run(self, quantize_block: Callable[[BlockContext], None], on_block: Callable[[int], None] | None = None) -> None:
         model, config = self.model, self.model.config
+        # Calibration embeds the ids directly (not through the model's forward, which checks them).
+        check_token_ids(self.calib.tokens, config.vocab_size, model.name)
         tokens = self.calib.tokens.to(model.device)
         with torch.inference_mode():
             hidden = model.model.embed_tokens(tokens)

@@ -14,6 +14,7 @@ from torch import nn
 from tokq.engine.attention import AttentionBackend, DenseCausalAttention
 from tokq.engine.config import ModelConfig
 from tokq.engine.layers import Linear, RMSNorm, RotaryEmbedding
+from tokq.engine.tokenizer import check_token_ids
 
 DecoderLayerFactory = Callable[[ModelConfig, int], nn.Module]
 
@@ -33,6 +34,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, make_layer: DecoderLayerFactory):
         super().__init__()
         self.config = config
+        self.name = config.architecture  # load_model sets the checkpoint folder: errors name the model by it
         self.model = DecoderStack(config, make_layer)
         self.lm_head = Linear(config.hidden_size, [("lm_head", config.vocab_size)])
         if config.tie_word_embeddings:
@@ -61,6 +63,10 @@ class CausalLM(nn.Module):
         Logits are separate because a long window's full-vocabulary logits may not fit in memory
         at once (2048 tokens x 262K vocab x 4 bytes = 2 GiB): scorers compute them in chunks.
         """
+        if backend is None:
+            # The dense path (perplexity, divergence, logits) is where caller-given ids enter; the engine's
+            # paged backend runs ids its add_request has checked already, without a device sync per step.
+            check_token_ids(input_ids, self.config.vocab_size, self.name)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         backend = backend or DenseCausalAttention()
