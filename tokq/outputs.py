@@ -171,8 +171,11 @@ def output_lock(folder: Path, option: str = "--out", wait: bool = False) -> Iter
     if fcntl is None:
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _acquire(path, folder, option, wait)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(path, folder, option, wait)
+    except OSError as exc:  # a parent that is a file, a read-only folder: before any work, not after
+        raise ConfigError(f"{folder} cannot be written ({exc.strerror or exc}): choose another {option}") from None
     _held[key] = [fd, 1]
     try:
         yield

@@ -155,6 +155,13 @@ def test_quantize_force_replaces_only_an_untouched_tokq_checkpoint(capsys, check
     assert code == 2 and "README.md" in text and (out / "README.md").read_text() == "my notes"
 
 
+def test_quantize_out_below_a_file_is_refused_before_the_work(capsys, checkpoint, project):
+    """Hostile: --out below a file (a typo): the write failed with a traceback once the quantization was done."""
+    (project / "afile").write_text("x")
+    code, text = quantize(capsys, checkpoint, project / "afile" / "q")
+    assert code == 2 and f"{project / 'afile' / 'q'} cannot be written" in text and "choose another --out" in text
+
+
 def test_recipe_naming_an_output_path_or_unknown_key_is_refused_at_load(capsys, checkpoint, docs, project):
     """Hostile: recipe = { method = "rtn", out = "/elsewhere", force = true } and a recipe with a key that is no
     `tokq quantize` option: refused with tokq.toml:LINE before anything is built or removed."""
