@@ -174,6 +174,12 @@ class _Checker:
         return value
 
 
+def table_error(path: Path, table: str, key: str | None, message: str) -> ConfigError:
+    """A ConfigError naming path:line of [table] key (table "": a top-level key), for the code that reads one
+    table of tokq.toml itself instead of loading the whole project."""
+    return _Checker(Path(path), Path(path).read_text(encoding="utf-8")).fail(table, key, message)
+
+
 def load_project(path: Path) -> Project:
     """Read and check tokq.toml (see the module docstring)."""
     path = Path(path)
@@ -206,11 +212,13 @@ def load_project(path: Path) -> Project:
             setattr(workload, key, int(check.number("bench", key, bench[key], integer=True, minimum=1)))
     if "gen_len_range" in bench:
         workload.gen_len_range = float(check.number("bench", "gen_len_range", bench["gen_len_range"], minimum=0,
-                                                    below=1))
+                                                    below=1, finite=True))
     if "max_seconds" in bench:
-        workload.max_seconds = float(check.number("bench", "max_seconds", bench["max_seconds"], minimum=1))
+        # finite: inf would run the paired bench forever, nan compares false and would run no pass at all
+        workload.max_seconds = float(check.number("bench", "max_seconds", bench["max_seconds"], minimum=1,
+                                                  finite=True))
     if "arrival_rate" in bench:
-        rate = check.number("bench", "arrival_rate", bench["arrival_rate"])
+        rate = check.number("bench", "arrival_rate", bench["arrival_rate"], finite=True)
         if rate <= 0:
             raise check.fail("bench", "arrival_rate", "must be > 0 requests per second (leave it out: all at once)")
         workload.arrival_rate = float(rate)
@@ -288,6 +296,8 @@ def _check_recipe(check: _Checker, name: str, recipe: dict) -> None:
         if not option.accepts(value):
             raise check.fail("variants", name, f"recipe {key} = {value!r} must be {option.describe()} "
                                                f"(as `tokq quantize {option.flag}` takes it)")
+        if key == "calib" and not (isinstance(value, str) and value):  # the gate makes a Path of it
+            raise check.fail("variants", name, f"recipe calib = {value!r} must be a folder path (a string)")
     from tokq.quantize.api import METHODS
 
     if recipe["method"] not in METHODS:

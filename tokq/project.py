@@ -43,12 +43,23 @@ def load_config(path: Path) -> dict:
         raise ConfigError(f"{path} cannot be read ({exc.strerror})") from exc
 
 
+def variants_table(path: Path) -> dict:
+    """tokq.toml's [variants] ({} when it has none); `variants = 5` or a list is an error naming file:line."""
+    variants = load_config(path).get("variants", {})
+    if not isinstance(variants, dict):
+        from tokq.config import table_error  # tokq.config imports this module
+
+        raise table_error(path, "", "variants", f"= {variants!r} must be a table: fix the file, e.g. [variants] "
+                                                "with one `name = \"path\"` line per checkpoint")
+    return variants
+
+
 def find_variant(name: str) -> Path | None:
     """The checkpoint path of variant `name` in tokq.toml, or None if there is no such variant."""
     path = find_config()
     if path is None:
         return None
-    variants = load_config(path).get("variants", {})
+    variants = variants_table(path)
     if name not in variants:
         return None
     entry = variants[name]
@@ -81,10 +92,7 @@ def check_recordable(path: Path) -> None:
 
     if not path.exists():
         return
-    data = load_config(path)
-    if "variants" in data and not isinstance(data["variants"], dict):
-        raise ConfigError(f"{path}: [variants] must be a table (variants = {data['variants']!r}): fix the file, "
-                          "e.g. [variants] with one `name = \"path\"` line per checkpoint")
+    variants_table(path)
     try:
         tomlkit.parse(path.read_text(encoding="utf-8"))
     except tomlkit.exceptions.TOMLKitError as exc:  # tomllib read it: a corner tomlkit cannot keep as it is
