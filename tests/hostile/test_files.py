@@ -361,7 +361,7 @@ def test_variant_name_that_is_no_bare_toml_key_is_refused_before_the_work(capsys
 
 
 @pytest.mark.parametrize("text,message", [
-    ("variants = 5\n", "[variants] must be a table"),
+    ("variants = 5\n", "tokq.toml:1: variants = 5 must be a table"),
     ("[variants]\nbase = \n", "fix the file"),
     ("[variants\n", "fix the file"),
 ])
