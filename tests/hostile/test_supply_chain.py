@@ -230,3 +230,151 @@ def test_newest_versions_job_uses_its_own_venv_and_no_constraints():
     assert "VENV=.venv-newest" in script and "--upgrade-strategy eager" in script
     assert "-c scripts/constraints.txt" not in script and "pytest" in script
     assert "/.venv-newest/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+# --- CI examples --------------------------------------------------------------------------------------------
+
+GITHUB = ROOT / "examples" / "ci" / "github-actions.yml"
+GITLAB = ROOT / "examples" / "ci" / "gitlab-ci.yml"
+SHELL_OPERATORS = {"||", "&&", ";", "|"}
+
+
+def _yaml(path: Path) -> dict:
+    yaml = pytest.importorskip("yaml")  # PyYAML: a dependency of transformers, accelerate and datasets
+    return yaml.safe_load(path.read_text())
+
+
+def _github_steps() -> list[dict]:
+    return _yaml(GITHUB)["jobs"]["gate"]["steps"]
+
+
+def _shell_lines(path: Path) -> list[str]:
+    """Every shell line a CI example runs: GitHub's `run:` blocks, GitLab's `script:` entries."""
+    if path == GITHUB:
+        blocks = [step["run"] for step in _github_steps() if "run" in step]
+    else:
+        jobs = [job for job in _yaml(path).values() if isinstance(job, dict)]
+        blocks = [entry for job in jobs for entry in job.get("script", [])]
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def _commands(path: Path, first: tuple[str, ...] = ("tokq", "pip", "bash")) -> list[list[str]]:
+    """The simple commands (argv lists, up to the first shell operator) that start with one of `first`."""
+    import shlex
+
+    out = []
+    for line in _shell_lines(path):
+        argv = []
+        for token in shlex.split(line, comments=True):
+            if token in SHELL_OPERATORS:
+                break
+            argv.append(token)
+        if argv and argv[0] in first:
+            out.append(argv)
+    return out
+
+
+def _readme_ci_commands() -> list[list[str]]:
+    """The commands in the code blocks of the README's "In CI" section."""
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### In CI"):]
+    section = section[: re.search(r"\n#{2,3} ", section[1:]).start() + 1]
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", section, re.S)
+    lines = [line for block in blocks for line in block.splitlines() if line.strip()]
+    return [shlex.split(line, comments=True) for line in lines]
+
+
+def _parse_cli(argv: list[str]):
+    """Parse `tokq ARGS` with the CLI's own parser (commands, options and their types), without running it."""
+    from typer.main import get_command
+
+    from tokq.cli import app
+
+    cmd, args, parent, name = get_command(app), argv, None, "tokq"
+    while True:
+        ctx = cmd.make_context(name, list(args), parent=parent)
+        if not hasattr(cmd, "resolve_command"):  # a leaf command: parsed and type-checked
+            return ctx
+        rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        name, cmd, args = cmd.resolve_command(ctx, rest)
+        parent = ctx
+
+
+@pytest.mark.parametrize("path", [GITHUB, GITLAB], ids=["github", "gitlab"])
+def test_ci_example_installs_tokq_from_its_repository(path):
+    """tokq is not on the package index: `pip install tokq` would fail (or install someone else's tokq)."""
+    text = path.read_text()
+    assert not re.search(r"pip install\s+(?:-\S+\s+)*['\"]?tokq\b(?![./@-])", text), "bare `pip install tokq`"
+    pips = [argv for argv in _commands(path, ("pip",)) if argv[1:2] == ["install"]]
+    assert pips, "the example installs nothing"
+    for argv in pips:
+        targets = [a for a in argv[2:] if not a.startswith("-")]
+        constraints = argv[argv.index("-c") + 1] if "-c" in argv else None
+        assert constraints == ".tokq-src/scripts/constraints.txt", argv
+        assert [t for t in targets if t != constraints] == ["./.tokq-src"], argv
+    # CPU torch first, the way scripts/install_torch.sh installs it, before tokq pulls in the default torch.
+    commands = _commands(path, ("pip", "bash"))
+    assert commands[0] == ["bash", ".tokq-src/scripts/install_torch.sh", "python"]
+    # Every file of tokq's source the example names exists in this repository.
+    for rel in re.findall(r"\.tokq-src/([\w./-]+)", text):
+        assert (ROOT / rel).exists(), rel
+
+
+def test_github_example_pins_tokq_and_grants_the_junit_check_permission():
+    workflow = _yaml(GITHUB)
+    job = workflow["jobs"]["gate"]
+    permissions = {**(workflow.get("permissions") or {}), **(job.get("permissions") or {})}
+    assert permissions.get("checks") == "write", "mikepenz/action-junit-report publishes a check run"
+    assert permissions.get("contents") == "read"
+    assert any(str(s.get("uses", "")).startswith("mikepenz/action-junit-report") for s in job["steps"])
+    source = next(s for s in job["steps"] if (s.get("with") or {}).get("path") == ".tokq-src")
+    assert source["uses"].startswith("actions/checkout@")
+    assert source["with"]["repository"] == "${{ env.TOKQ_REPO }}"
+    assert source["with"]["ref"] == "${{ env.TOKQ_REF }}"
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", workflow["env"]["TOKQ_REF"]), "a tag, never a branch"
+    install = next(s for s in job["steps"] if "install_torch.sh" in s.get("run", ""))
+    assert install["env"]["TOKQ_TORCH_INDEX"] == "${{ vars.TOKQ_TORCH_INDEX }}"
+
+
+def test_github_cache_key_covers_data_config_and_tokq_version():
+    steps = _github_steps()
+    cache = next(s for s in steps if str(s.get("uses", "")).startswith("actions/cache@"))
+    key = cache["with"]["key"]
+    hashed = re.search(r"hashFiles\(([^)]*)\)", key)
+    assert hashed, key
+    patterns = re.findall(r"'([^']+)'", hashed.group(1))
+    assert "tokq.toml" in patterns and "docs/**" in patterns, key
+    assert "env.TOKQ_REF" in key, key
+    # The key is computed after tokq is installed and before the gate runs.
+    order = [i for i, s in enumerate(steps) if s is cache or "install_torch.sh" in s.get("run", "")
+             or "tokq gate" in s.get("run", "")]
+    assert [steps[i] for i in order][1] is cache
+
+
+def test_gitlab_cache_key_covers_data_config_and_tokq_version():
+    job = _yaml(GITLAB)["tokq-gate"]
+    key = job["cache"]["key"]
+    assert "tokq.toml" in key["files"] and "docs/**/*" in key["files"] and len(key["files"]) <= 2, key
+    assert "$TOKQ_REF" in key["prefix"]
+    assert job["variables"]["TOKQ_HOME"].endswith(".tokq-cache") and job["cache"]["paths"] == [".tokq-cache/"]
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", job["variables"]["TOKQ_REF"]), "a tag, never a branch"
+    assert 'git clone --depth 1 --branch "$TOKQ_REF" "$TOKQ_REPO" .tokq-src' in job["script"]
+
+
+@pytest.mark.parametrize("path", [GITHUB, GITLAB], ids=["github", "gitlab"])
+def test_ci_example_commands_are_real_and_documented(path):
+    """Every `tokq ...` the example runs parses with the CLI's own parser, and every command it runs (tokq,
+    pip, the torch script) is one the README's CI section shows."""
+    # The parser check itself notices a renamed option, a renamed command, a value of the wrong type.
+    for wrong in (["gate", "--output", "x"], ["gates"], ["gate", "--threads", "many"]):
+        with pytest.raises(Exception, match=r"No such|valid integer"):
+            _parse_cli(wrong)
+    readme = _readme_ci_commands()
+    tokq_commands = _commands(path, ("tokq",))
+    assert tokq_commands, "the example runs no tokq command"
+    for argv in tokq_commands:
+        _parse_cli(argv[1:])  # raises on an unknown command or option, or a value of the wrong type
+    for argv in _commands(path):
+        assert argv in readme, f"{path.name} runs `{' '.join(argv)}`, not shown in the README's CI section"
