@@ -5,9 +5,12 @@
 # Usage: bash scripts/update_constraints.sh
 # Left out: tokq itself; torch, which scripts/install_torch.sh pins (the CPU build, or the CUDA build where
 # nvidia-smi exists); the CUDA libraries torch's CUDA build brings (nvidia-*, cuda-*), which a CPU
-# machine never installs; pip and setuptools (pip freeze leaves them out).
+# machine never installs; the zoo's data packages, which tokq/zoo.py pins for `tokq models pull` (the
+# integration tests install them into .venv); pip and setuptools (pip freeze leaves them out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ZOO_PACKAGES="$(.venv/bin/python -c 'from tokq.zoo import ZOO
+print("|".join(p.replace("-", "[-_.]") for m in ZOO.values() for p in m.packages))')"
 OUT=scripts/constraints.txt
 TMP="$(mktemp "$OUT.XXXXXX")"
 trap 'rm -f "$TMP"' EXIT
@@ -21,6 +24,7 @@ trap 'rm -f "$TMP"' EXIT
   .venv/bin/python -m pip freeze --exclude-editable 2>/dev/null \
     | grep -v -E '^(#|-e )' \
     | grep -v -i -E '^(tokq|torch|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==' \
+    | grep -v -i -E "^(${ZOO_PACKAGES})==" \
     | LC_ALL=C sort -f
 } > "$TMP"
 chmod 644 "$TMP"  # mktemp makes it private

