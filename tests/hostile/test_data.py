@@ -264,16 +264,16 @@ def test_long_single_line_with_max_tokens_encodes_a_bounded_prefix(tmp_path: Pat
 
 
 @pytest.mark.parametrize("stride, max_tokens, min_window_tokens", [
-    (None, 512, 16), (40, 300, 16), (100, 1000, 90), (7, 64, 2), (None, 10_000, 16), (64, 129, 16)])
+    (None, 512, 16), (40, 1500, 16), (100, 1000, 90), (7, 5000, 2), (None, 50_000, 16), (64, 2000, 16)])
 def test_windows_from_a_prefix_equal_windows_from_the_whole_text(stride, max_tokens, min_window_tokens) -> None:
     """Hostile case: a budget that ends inside a long document, at a tail window, or after crossing documents: the
-    document it ends in is encoded only in part (less than half of what a full encoding reads), and the windows are
-    exactly those built from the full encodings."""
+    document it ends in is encoded only in part (less than half of it), and the windows are exactly those built from
+    the full encodings."""
     from tokq.longctx.documents import Document
     from tokq.longctx.windows import build_windows
 
     docs = [Document(f"d{i}.txt", Path(f"d{i}.txt"), words(n, seed=i))
-            for i, n in enumerate((3_000, 150, 20, 129, 40_000, 60_000))]
+            for i, n in enumerate((150, 20, 129, 30_000, 100_000, 5_000))]
     for add_bos in (False, True):
         encoder = CountingEncoder()
         got = build_windows(docs, encoder, 128, stride, add_bos, max_tokens, min_window_tokens)
@@ -286,7 +286,8 @@ def test_windows_from_a_prefix_equal_windows_from_the_whole_text(stride, max_tok
         # the document the budget ended in: the first one with a window past the budget
         uncapped = build_windows(docs, encoder, 128, stride, add_bos, None, min_window_tokens, encoded=encoded)
         last = [d.doc_id for d in docs].index(uncapped.windows[len(want.windows)].doc_id)
-        assert encoder.chars < sum(len(d.text) for d in docs[: last + 1]) / 2, (encoder.chars, last)
+        on_last = encoder.chars - sum(len(d.text) for d in docs[:last])  # the ones before: encoded whole
+        assert on_last < len(docs[last].text) / 2, (on_last, last)
 
 
 def _tokenizers() -> dict[str, object]:
@@ -337,10 +338,14 @@ def test_chunked_encoding_equals_the_whole_encoding(monkeypatch) -> None:
     for name, tokenizer in _tokenizers().items():
         encoder = as_text_encoder(tokenizer, add_bos=False)
         whole = encoder.encode(text)
+        longest = []
+        monkeypatch.setattr(encoder, "encode", lambda t, e=encoder.encode, seen=longest: seen.append(len(t)) or e(t))
         assert encode_text(encoder, text) == whole, name
+        assert max(longest) < 2_000 < len(text), name  # chunks, not the whole text after a failed check
         for n in (1, 50, 333, 2000):
             prefix = encode_text(encoder, text, max_ids=n)
             assert len(prefix) >= n and prefix == whole[:len(prefix)], (name, n)
+        assert max(longest) < 2_000, name
 
 
 def test_encoding_falls_back_to_the_whole_text_when_a_seam_disagrees(monkeypatch) -> None:

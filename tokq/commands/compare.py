@@ -11,6 +11,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokq.errors import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE
+from tokq.longctx.documents import (
+    DEFAULT_MAX_DOC_MB,
+    DEFAULT_MAX_FILE_MB,
+    MAX_DOC_MB_HELP,
+    MAX_FILE_MB_HELP,
+    ReadLimits,
+    read_limits,
+)
 
 console = Console(stderr=True)
 BASE_NAMES = ("fp16", "bf16", "base")
@@ -77,7 +85,8 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
                  thresholds: dict | None = None, threshold_on: str = "bound",
                  resamples: int = 1000,
                  use_cache: bool = True, dtype: str = "auto", kv_dtype: str = "auto", b_kv_dtype: str | None = None,
-                 kv_memory: str | None = None, strict: bool = False, seed: int = 0) -> dict:
+                 kv_memory: str | None = None, strict: bool = False, seed: int = 0,
+                 limits: ReadLimits | None = None) -> dict:
     """Everything `tokq compare` does after parsing its options (the gate calls it too): the result JSON."""
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
@@ -88,7 +97,7 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     from tokq.evalsuite.compare import CompareSettings, ModelRun, run_compare, token_window_docs
     from tokq.longctx.documents import load_documents
     from tokq.longctx.probes import evenly_spaced_depths
-    from tokq.longctx.windows import as_text_encoder, build_windows, tokenize_documents
+    from tokq.longctx.windows import as_text_encoder, build_windows
     from tokq.paths import data_dir
 
     for flag, value in (("--topk", topk), ("--resamples", resamples), ("--window", window),
@@ -117,11 +126,11 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
         if not data.is_dir():
             raise DataError(f"the default document set {data} is not built yet: run `tokq data build-default` or "
                             "pass --data DIR")
-    docs = load_documents(data, strict=strict)
+    docs = load_documents(data, strict=strict, limits=limits)
     add_bos = model_adds_bos(tok_a)
     encoder = as_text_encoder(tok_a, add_bos)
-    encoded = tokenize_documents(docs.documents, encoder)
-    windows = build_windows(docs.documents, encoder, window, stride, add_bos, max_tokens, encoded=encoded)
+    # not every document encoded up front: with --max-tokens, only as much as the windows can reach
+    windows = build_windows(docs.documents, encoder, window, stride, add_bos, max_tokens)
     if sample_windows is not None:
         if sample_windows < 1:
             raise ConfigError(f"--sample-windows {sample_windows}: must be >= 1")
@@ -131,7 +140,7 @@ def compare_pair(a: str, b: str, runtime, *, data: Path | None = None, window: i
     check_windows_fit(windows.windows, config_a.vocab_size, a, tok_a)
     capacity = window - int(add_bos)
     used = {w.doc_id for w in windows.windows}
-    shorter = sum(1 for d in used if len(encoded[d]) <= capacity)
+    shorter = sum(1 for d in used if windows.doc_tokens[d] <= capacity)
     console.print(f"{len(windows.windows)} windows from {len(used)} documents ({shorter} shorter than a window, used "
                   f"whole; {len(used) - shorter} longer, windowed by {windows.stride}); "
                   f"{len(windows.dropped_documents)} too short to score", highlight=False)
@@ -236,6 +245,8 @@ def compare_cmd(
                                                               "fp8: compare a model with itself on an fp8 cache)."),
     kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget per model (e.g. 2GiB)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
+    max_doc_mb: float = typer.Option(DEFAULT_MAX_DOC_MB, "--max-doc-mb", help=MAX_DOC_MB_HELP),
+    max_file_mb: float = typer.Option(DEFAULT_MAX_FILE_MB, "--max-file-mb", help=MAX_FILE_MB_HELP),
     json_path: Path = typer.Option(None, "--json", help="Write every number as JSON to this path."),
     report_dir: Path = typer.Option(None, "--report-dir", help="Write report.json, report.md, report.html (plots) and "
                                                                "junit.xml to this folder."),
@@ -267,7 +278,8 @@ def compare_cmd(
                           probe_depths=probe_depths, probe_repeats=probe_repeats,
                           thresholds=thresholds, threshold_on=threshold_on, resamples=resamples,
                           use_cache=not no_cache, dtype=dtype,
-                          kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype, kv_memory=kv_memory, strict=strict, seed=seed)
+                          kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype, kv_memory=kv_memory, strict=strict, seed=seed,
+                          limits=read_limits(max_doc_mb, max_file_mb))
     print(compare_markdown(result), end="")
     if json_path:
         write_json(json_path, result)

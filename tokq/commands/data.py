@@ -18,7 +18,15 @@ from rich.table import Table
 
 from tokq.errors import DataError
 from tokq.longctx.default_set import DefaultSetSummary, build_default_set, read_default_set
-from tokq.longctx.documents import Document, load_documents
+from tokq.longctx.documents import (
+    DEFAULT_MAX_DOC_MB,
+    DEFAULT_MAX_FILE_MB,
+    MAX_DOC_MB_HELP,
+    MAX_FILE_MB_HELP,
+    Document,
+    load_documents,
+    read_limits,
+)
 from tokq.longctx.windows import TextEncoder, as_text_encoder, build_windows, tokenize_documents
 from tokq.paths import atomic_write_text, data_dir
 from tokq.reports.json_io import check_json_target
@@ -93,12 +101,14 @@ def inspect(
     strict: bool = typer.Option(
         False, "--strict", help="Fail on the first unusable file instead of skipping it."
     ),
+    max_doc_mb: float = typer.Option(DEFAULT_MAX_DOC_MB, "--max-doc-mb", help=MAX_DOC_MB_HELP),
+    max_file_mb: float = typer.Option(DEFAULT_MAX_FILE_MB, "--max-file-mb", help=MAX_FILE_MB_HELP),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the report as JSON here."),
 ) -> None:
     """Show what tokq reads from DIRECTORY: documents, skipped files and why, tokens, windows."""
     check_json_target(json_path)  # refused before tokenizing, not after
     console = Console()
-    docs = load_documents(directory, strict=strict)
+    docs = load_documents(directory, strict=strict, limits=read_limits(max_doc_mb, max_file_mb))
     encoder = _load_encoder(model)
 
     tokens: dict[str, int] | None = None

@@ -33,6 +33,7 @@ from rich.progress import (
 from rich.table import Table
 
 from tokq import __version__
+from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB, MAX_DOC_MB_HELP, MAX_FILE_MB_HELP
 
 console = Console(stderr=True)
 
@@ -88,6 +89,8 @@ def quantize_cmd(
     calib: Path = typer.Option(None, "--calib", help="Folder of calibration documents (default: the default long-document set)."),
     num_samples: int = typer.Option(32, "--num-samples", help="Calibration windows to draw."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
+    max_doc_mb: float = typer.Option(DEFAULT_MAX_DOC_MB, "--max-doc-mb", help="Calibration: " + MAX_DOC_MB_HELP),
+    max_file_mb: float = typer.Option(DEFAULT_MAX_FILE_MB, "--max-file-mb", help="Calibration: " + MAX_FILE_MB_HELP),
     name: str = typer.Option(None, "--name", help="Record the result as this variant in tokq.toml (e.g. int4)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it is a checkpoint tokq wrote."),
     save_dtype: str = typer.Option("auto", "--save-dtype", help="dtype of scales and 16-bit tensors: auto (the source's), bf16, fp16, fp32."),
@@ -103,6 +106,7 @@ def quantize_cmd(
     from tokq.engine.config import read_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
     from tokq.errors import ConfigError, DataError
+    from tokq.longctx.documents import read_limits
     from tokq.outputs import CHECKPOINT, check_replaceable, output_lock
     from tokq.paths import data_dir
     from tokq.project import check_recordable, check_variant_name, record_variant, variants_file
@@ -119,6 +123,7 @@ def quantize_cmd(
     if act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
     alpha_given, alpha_value = _parse_alpha(alpha, method)
+    limits = read_limits(max_doc_mb, max_file_mb)
     if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
         raise ConfigError(f"--recipe-sha256 {recipe_sha256!r} is not a sha256 (64 lowercase hex digits)")
     check_json_target(json_path)  # refused before the quantization, not after
@@ -153,7 +158,8 @@ def quantize_cmd(
             tokenizer = load_tokenizer(checkpoint)
             if seq_len > config.max_position_embeddings:
                 raise DataError(f"--seq-len {seq_len} exceeds the context of {model} ({config.max_position_embeddings} tokens)")
-            calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), num_samples, seq_len, seed)
+            calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), num_samples, seq_len, seed,
+                                              limits)
         elif calib is not None:
             console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
 

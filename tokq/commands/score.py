@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tokq import __version__
+from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB, MAX_DOC_MB_HELP, MAX_FILE_MB_HELP
 
 console = Console(stderr=True)
 
@@ -25,6 +26,8 @@ def score_cmd(
     ),
     dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype: fp32, bf16 (CPU) or fp16/bf16 (CUDA)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
+    max_doc_mb: float = typer.Option(DEFAULT_MAX_DOC_MB, "--max-doc-mb", help=MAX_DOC_MB_HELP),
+    max_file_mb: float = typer.Option(DEFAULT_MAX_FILE_MB, "--max-file-mb", help=MAX_FILE_MB_HELP),
     json_path: Path = typer.Option(None, "--json", help="Write the full result as JSON to this path."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
@@ -36,7 +39,7 @@ def score_cmd(
     from tokq.engine.tokenizer import check_windows_fit, load_tokenizer, model_adds_bos
     from tokq.errors import DataError, ModelError
     from tokq.evalsuite.perplexity import score_windows
-    from tokq.longctx.documents import load_documents
+    from tokq.longctx.documents import load_documents, read_limits
     from tokq.longctx.windows import as_text_encoder, build_windows
     from tokq.paths import data_dir
     from tokq.reports.json_io import check_json_target, write_json
@@ -54,7 +57,7 @@ def score_cmd(
         data = data_dir() / "default"
         if not data.is_dir():
             raise DataError(f"the default document set {data} is not built yet: run `tokq data build-default` or pass --data DIR")
-    docs = load_documents(data, strict=strict)  # skipped files are logged as warnings
+    docs = load_documents(data, strict=strict, limits=read_limits(max_doc_mb, max_file_mb))  # skips: warnings
     tokenizer = load_tokenizer(checkpoint)
     add_bos = model_adds_bos(tokenizer)
     windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), window, stride, add_bos, max_tokens)

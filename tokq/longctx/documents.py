@@ -60,6 +60,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 MIB = 1 << 20
 DEFAULT_MAX_DOC_MB = 64
 DEFAULT_MAX_FILE_MB = 1024
+MAX_DOC_MB_HELP = ("Skip a document larger than this many MiB: a text file (after decompression: where a gzip "
+                   "bomb stops) or one .jsonl line.")
+MAX_FILE_MB_HELP = "Skip a file holding more than this many MiB after decompression (a whole .jsonl file)."
 # Decompressed bytes read at a time while skipping the rest of an over-long .jsonl line.
 _SKIP_CHUNK = 1 << 20
 

@@ -7,10 +7,18 @@ what models trained with BOS (Gemma) need. Consecutive windows of a document sta
 document tokens apart; `stride < capacity` makes them overlap, so tokens late in one window are
 scored again early in the next with more context, and `score_from` marks where the new ones
 begin, so that every document token is counted exactly once across a document's windows.
+
+A long document is encoded in bounded chunks (`encode_text`), and with a budget (`max_tokens`,
+`max_windows`) only as far as the budget can reach: a 50 MB single-line document scored with
+`--max-tokens 512` costs a few KB of tokenization, not the whole line at once (measured: 59 s and
+6 GB RSS before).
 """
 
 from __future__ import annotations
 
+import logging
+import re
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
@@ -18,6 +26,19 @@ from typing import Any, Protocol, runtime_checkable
 from tokq.errors import ConfigError, ModelError
 
 from .documents import Document
+
+logger = logging.getLogger("tokq")
+
+# A text longer than this many characters is encoded a chunk at a time (see encode_text).
+CHUNK_CHARS = 1 << 18
+# Characters before a cut that are encoded again, alone and with the next chunk, to check the cut.
+SEAM_CHARS = 1024
+# The first chunk when only a prefix is needed: this many characters, or 8 per id needed, if more.
+MIN_PREFIX_CHARS = 4096
+# A whitespace right after a letter or digit: a boundary between pre-tokens for byte-level BPE
+# (GPT-2, Llama 3), SentencePiece/Metaspace and word-level tokenizers alike. After punctuation it is
+# not always one: Llama 3 keeps ".\n\n" together.
+_CLEAN_CUT = re.compile(r"[^\W_]\s")
 
 
 class WindowConfigError(ConfigError, ValueError):
@@ -122,6 +143,9 @@ class WindowSet:
     dropped_documents: list[str] = field(default_factory=list)
     min_window_tokens: int = 0
     stopped_by: str | None = None
+    # ids encoded per document looked at; for one a budget ended inside, a prefix's count (which
+    # is more than a window holds), not the document's
+    doc_tokens: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -184,11 +208,91 @@ class WindowSet:
 
 def tokenize_documents(documents: Iterable[Document], encoder: TextEncoder) -> dict[str, list[int]]:
     """Token ids (no special tokens) of each document, by doc_id."""
-    return {doc.doc_id: list(encoder.encode(doc.text)) for doc in documents}
+    return {doc.doc_id: encode_text(encoder, doc.text) for doc in documents}
 
 
 def count_tokens(documents: Iterable[Document], encoder: TextEncoder) -> dict[str, int]:
-    return {doc.doc_id: len(encoder.encode(doc.text)) for doc in documents}
+    return {doc.doc_id: len(encode_text(encoder, doc.text)) for doc in documents}
+
+
+def encode_text(encoder: TextEncoder, text: str, max_ids: int | None = None) -> list[int]:
+    """The ids of `text`; with `max_ids`, the first ids of it, at least `max_ids` of them (all, if it
+    has fewer), from encoding only a prefix of the text.
+
+    A text longer than CHUNK_CHARS (or than a prefix needs) is encoded in chunks, each cut before a
+    whitespace that follows a letter or digit, so a tokenizer never holds a 50 MB line at once. A cut
+    must not change any id: the SEAM_CHARS before it are encoded alone and together with the next
+    chunk, and must give the same ids both times (the cut is a token boundary) and end the same way
+    the ids so far do. Where any check fails (a tokenizer whose ids depend on text far away), or no
+    cut can be found (no whitespace in a chunk's length), the whole text is encoded at once, as
+    before: correct, bounded only by the per-document cap (--max-doc-mb).
+    """
+    if len(text) <= (CHUNK_CHARS if max_ids is None else _first_chunk(max_ids)):
+        return list(encoder.encode(text))
+    ids = _encode_chunks(encoder, text, max_ids)
+    if ids is None:
+        logger.debug("encoding a %d-character document whole: a chunk boundary changed its ids", len(text))
+        return list(encoder.encode(text))
+    return ids
+
+
+def _first_chunk(max_ids: int) -> int:
+    return min(CHUNK_CHARS, max(MIN_PREFIX_CHARS, 8 * max_ids))
+
+
+def _encode_chunks(encoder: TextEncoder, text: str, max_ids: int | None) -> list[int] | None:
+    """encode_text chunk by chunk; None where a cut fails its check."""
+    size = CHUNK_CHARS if max_ids is None else _first_chunk(max_ids)
+    ids: list[int] = []
+    pos = 0  # text[:pos] is encoded into ids
+    while pos < len(text):
+        end = len(text) if pos + size >= len(text) else _cut(text, pos + size, pos + size // 2)
+        if end is None:
+            return None
+        if pos == 0:
+            ids = list(encoder.encode(text[:end]))
+        else:
+            more = _encode_after(encoder, text, pos, end, ids)
+            if more is None:
+                return None
+            ids.extend(more)
+        pos = end
+        if max_ids is not None and len(ids) >= max_ids and pos < len(text):
+            # no later chunk checks this last cut: check it against the text just after it
+            after = _cut(text, pos + SEAM_CHARS, pos) or min(pos + SEAM_CHARS, len(text))
+            return ids if _encode_after(encoder, text, pos, after, ids) is not None else None
+        size = min(2 * size, CHUNK_CHARS)
+    return ids
+
+
+def _encode_after(encoder: TextEncoder, text: str, pos: int, end: int, ids: list[int]) -> list[int] | None:
+    """The ids of text[pos:end] as they follow `ids` (the ids of text[:pos]), encoded with up to
+    SEAM_CHARS of the text before `pos` as context; None if `pos` is not a clean token boundary."""
+    start = _cut(text, pos - SEAM_CHARS, pos - 2 * SEAM_CHARS) or max(0, pos - SEAM_CHARS)
+    head = list(encoder.encode(text[start:pos]))
+    both = list(encoder.encode(text[start:end]))
+    if both[: len(head)] != head:  # a token spans the cut, or text after it changed ids before it
+        return None
+    # The start of `head` may differ from `ids` (a tokenizer adds a prefix space at the start of a text),
+    # but its second half, well past that start, must be what `ids` ends with.
+    tail = len(head) // 2
+    if tail and ids[-tail:] != head[-tail:]:
+        return None
+    return both[len(head) :]
+
+
+def _cut(text: str, end: int, lo: int) -> int | None:
+    """The last index in (lo, end] of a whitespace right after a letter or digit, or None."""
+    lo = max(lo, 0)
+    span = 256  # look near `end` first: most text has a cut within a few words
+    while True:
+        start = max(lo, end - span)
+        last = deque(_CLEAN_CUT.finditer(text, start, end + 1), maxlen=1)
+        if last:
+            return last[0].start() + 1
+        if start == lo:
+            return None
+        span *= 16
 
 
 def build_windows(
@@ -212,7 +316,8 @@ def build_windows(
     positions. With overlap a tail holds the overlap too, so it is rarely that short. `max_tokens` caps the sum of `len(tokens)` over windows and
     `max_windows` their number; windows are taken in order and the set stops before the first
     one that would exceed a cap, so the result is always a prefix of the uncapped set.
-    `encoded` holds token ids already computed by doc_id, to avoid encoding twice.
+    `encoded` holds token ids already computed by doc_id, to avoid encoding twice; without it, a
+    document is encoded only as far as the caps can reach (`_ids_needed`), with the same result.
     """
     if add_bos is None:
         add_bos = bool(getattr(encoder, "add_bos", False))
@@ -247,7 +352,11 @@ def build_windows(
     # A window can never hold more than `capacity` tokens, so that is the most one can be asked for.
     min_tokens = max(1, min(min_window_tokens, capacity))
     for doc in documents:
-        ids = encoded[doc.doc_id] if encoded is not None else encoder.encode(doc.text)
+        if encoded is not None:
+            ids: Sequence[int] = encoded[doc.doc_id]
+        else:
+            ids = encode_text(encoder, doc.text, _ids_needed(result, max_tokens, max_windows, capacity, stride))
+        result.doc_tokens[doc.doc_id] = len(ids)
         if len(ids) < min_tokens:
             result.dropped_documents.append(doc.doc_id)
             continue
@@ -271,6 +380,22 @@ def build_windows(
                 result.n_documents += 1
                 counted = True
     return result
+
+
+def _ids_needed(
+    result: WindowSet, max_tokens: int | None, max_windows: int | None, capacity: int, stride: int
+) -> int | None:
+    """How many of the next document's ids the caps let matter (None: all). Its window at document
+    token s is reached only when its windows before it, which cover tokens 0..s, fit the caps: so s is
+    at most the tokens left (and at most stride times the windows left). That window reads ids up to
+    s + capacity, and one more id tells whether the document ends there: then the windows, the tail
+    check and where the set stops are all the same as with every id."""
+    bounds = []
+    if max_tokens is not None:
+        bounds.append(max(0, max_tokens - result.n_tokens) + capacity + 1)
+    if max_windows is not None:
+        bounds.append(max(0, max_windows - len(result.windows)) * stride + capacity + 1)
+    return min(bounds) if bounds else None
 
 
 def _window_starts(n: int, capacity: int, stride: int) -> Iterable[int]:

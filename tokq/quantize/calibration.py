@@ -55,15 +55,16 @@ class CalibrationSet:
 
 
 def calibration_samples(
-    data: Path, tokenizer, add_bos: bool, num_samples: int, seq_len: int, seed: int = 0
+    data: Path, tokenizer, add_bos: bool, num_samples: int, seq_len: int, seed: int = 0, limits=None
 ) -> CalibrationSet:
-    """Draw `num_samples` full windows of `seq_len` tokens from the documents under `data`."""
+    """Draw `num_samples` full windows of `seq_len` tokens from the documents under `data` (read within
+    `limits`, a documents.ReadLimits: default caps when None)."""
     from tokq.longctx.documents import load_documents
     from tokq.longctx.windows import as_text_encoder, build_windows
 
     if num_samples < 1 or seq_len < 16:
         raise DataError(f"calibration needs at least 1 sample of at least 16 tokens (got {num_samples} x {seq_len})")
-    docs = load_documents(data)
+    docs = load_documents(data, limits=limits)
     windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), seq_len, add_bos=add_bos,
                             min_window_tokens=seq_len - int(add_bos))
     full = [w for w in windows.windows if len(w.tokens) == seq_len]
