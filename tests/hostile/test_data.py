@@ -57,8 +57,11 @@ _CHILD = textwrap.dedent("""
         out = {{"error": type(e).__name__, "message": str(e)[:500]}}
     out["seconds"] = time.perf_counter() - start
     # peak RSS of this process image: VmHWM starts afresh at exec, ru_maxrss would include the parent's
-    status = open("/proc/self/status").read()
-    out["maxrss_mib"] = int(status.split("VmHWM:")[1].split()[0]) / 1024
+    try:
+        status = open("/proc/self/status").read()
+        out["maxrss_mib"] = int(status.split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError):  # no /proc: an upper bound
+        out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["warnings"] = warnings
     print(json.dumps(out))
 """)

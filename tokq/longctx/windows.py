@@ -223,9 +223,9 @@ def encode_text(encoder: TextEncoder, text: str, max_ids: int | None = None) -> 
     whitespace that follows a letter or digit, so a tokenizer never holds a 50 MB line at once. A cut
     must not change any id: the SEAM_CHARS before it are encoded alone and together with the next
     chunk, and must give the same ids both times (the cut is a token boundary) and end the same way
-    the ids so far do. Where any check fails (a tokenizer whose ids depend on text far away), or no
-    cut can be found (no whitespace in a chunk's length), the whole text is encoded at once, as
-    before: correct, bounded only by the per-document cap (--max-doc-mb).
+    the ids so far do. Where a check fails (a tokenizer whose ids depend on text far away, or a
+    cut inside a long run without whitespace that splits a token), the whole text is encoded at
+    once, as before: correct, bounded only by the per-document cap (--max-doc-mb).
     """
     if len(text) <= (CHUNK_CHARS if max_ids is None else _first_chunk(max_ids)):
         return list(encoder.encode(text))
@@ -246,9 +246,9 @@ def _encode_chunks(encoder: TextEncoder, text: str, max_ids: int | None) -> list
     ids: list[int] = []
     pos = 0  # text[:pos] is encoded into ids
     while pos < len(text):
-        end = len(text) if pos + size >= len(text) else _cut(text, pos + size, pos + size // 2)
-        if end is None:
-            return None
+        # a clean cut where there is one; else (no whitespace for a chunk's length) a hard one, which the checks
+        # in _encode_after accept only where it changes no id
+        end = len(text) if pos + size >= len(text) else _cut(text, pos + size, pos) or pos + size
         if pos == 0:
             ids = list(encoder.encode(text[:end]))
         else:
