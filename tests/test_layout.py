@@ -40,3 +40,54 @@ def test_engine_never_imports_quantize_or_evalsuite():
         text = path.read_text()
         for banned in ("tokq.quantize", "tokq.evalsuite", "tokq.longctx", "tokq.reports"):
             assert banned not in text, f"{path} imports {banned}"
+
+
+# Import name -> distribution name, where they differ or the module is third-party.
+_DISTRIBUTION = {"yaml": "pyyaml"}
+# Declared but imported only by the libraries tokq calls: each needs the reason it is kept.
+_RUNTIME_ONLY = {
+    "gguf": "transformers reads GGUF files (`tokq models pull`) only when the gguf package is installed",
+    "accelerate": "transformers' from_pretrained(gguf_file=...) refuses to run without accelerate",
+    "sentencepiece": "transformers' GGUF tokenizer conversion builds sentencepiece-style (Llama/Gemma) tokenizers",
+}
+
+
+def _third_party_imports() -> set[str]:
+    import ast
+    import sys
+
+    names: set[str] = set()
+    for path in (ROOT / "tokq").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n != "tokq"}
+
+
+def _declared() -> tuple[set[str], set[str]]:
+    import re
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    required = {name(r) for r in project["dependencies"]}
+    optional = {name(r) for extra in project["optional-dependencies"].values() for r in extra}
+    return required, optional
+
+
+def test_tokq_declares_what_it_imports_and_imports_what_it_declares():
+    imported = {_DISTRIBUTION.get(n, n).lower().replace("_", "-") for n in _third_party_imports()}
+    required, optional = _declared()
+    missing = imported - required - optional
+    assert not missing, f"tokq imports {sorted(missing)} but pyproject.toml does not declare them"
+    unused = required - imported - set(_RUNTIME_ONLY)
+    assert not unused, f"pyproject.toml declares {sorted(unused)} but tokq never imports them"

@@ -91,7 +91,8 @@ def build_default(
 @data_app.command("inspect")
 def inspect(
     directory: Path = typer.Argument(
-        ..., help="Folder (or single file) of .txt/.md/.rst/.jsonl documents, optionally .gz."
+        ..., help="Folder (or single file) of .txt/.md/.rst/.jsonl documents (optionally .gz) and "
+                  ".parquet/.arrow tables (a document per row, its text in the column 'text')."
     ),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=_MODEL_HELP),
     window: int = typer.Option(DEFAULT_WINDOW, "--window", help="Tokens per scored window (BOS included)."),

@@ -1,15 +1,20 @@
 """Load a folder of the user's documents into memory, skipping (or rejecting) files it cannot use.
 
 Accepted files: `.txt`, `.md`, `.rst` (one document each) and `.jsonl` (one document per line, a
-JSON object whose text lives under `jsonl_field`), each also gzip-compressed as `<name>.<ext>.gz`.
-Other extensions are ignored (and counted); hidden files and folders (`.git`, `.DS_Store`) are
-not looked at. Order is the sorted relative path, so the same folder always gives the same set.
+JSON object whose text lives under `jsonl_field`), each also gzip-compressed as `<name>.<ext>.gz`;
+and `.parquet` and `.arrow` tables (Arrow IPC stream or file, as `Dataset.save_to_disk` and
+`to_parquet` write them), one document per row with its text in the string column `jsonl_field`,
+read through `datasets` (streamed a record batch at a time; its lock files go to a temporary
+folder, never to ~/.cache/huggingface or the data folder). Other extensions are ignored (and
+counted); hidden files and folders (`.git`, `.DS_Store`) are not looked at. Order is the sorted
+relative path, so the same folder always gives the same set.
 
 A file that looks like it should be a document but cannot be used (unreadable, binary, not
-UTF-8, corrupt gzip, bad JSON line, empty, too short) is skipped with a warning on the
-`tokq` logger and listed in `DocumentSet.skipped`; `strict=True` turns the first one into a
-`DataError` instead. Text is decoded as UTF-8 (a BOM is dropped) and CRLF line ends become LF,
-so a document hashes the same on every platform.
+UTF-8, corrupt gzip, bad JSON line, a corrupt table or one without a string column
+`jsonl_field`, empty, too short) is skipped with a warning on the `tokq` logger and listed in
+`DocumentSet.skipped`; `strict=True` turns the first one into a `DataError` instead. Text is
+decoded as UTF-8 (a BOM is dropped) and CRLF line ends become LF, so a document hashes the same
+on every platform.
 
 A data folder is untrusted input, so reading is bounded (`ReadLimits`): only regular files are
 opened (a FIFO, socket, device, or a link to one such as `x.txt -> /dev/zero`, is skipped: a
@@ -18,12 +23,21 @@ never end); a document larger than `max_doc_bytes` (`--max-doc-mb`, default 64 M
 after decompression, or one .jsonl line) and a file larger than `max_file_bytes` (`--max-file-mb`,
 default 1024 MiB after decompression: bounds a .jsonl file and a gzip bomb) are skipped after
 reading at most one byte past the cap. A .jsonl file is read line by line, so a bad line (invalid
-UTF-8, invalid JSON, a lone surrogate escape such as `"\ud800"`) skips only that line.
+UTF-8, invalid JSON, a lone surrogate escape such as `"\ud800"`) skips only that line. A .parquet
+or .arrow file larger than `max_file_bytes` on disk is skipped unread; otherwise its rows are
+streamed and a row over `max_doc_bytes` (or null) skips only that row, and a file whose text adds
+up to more than `max_file_bytes` (a compressed table expands) is skipped. Only the text column of
+a parquet file is decoded, and a row is measured in its Arrow buffer before any copy is made, but
+pyarrow decompresses what it reads (a parquet page, which holds at least one whole value; an arrow
+file's record batch) before tokq can measure it: a table that compresses hundreds of MiB of text
+into a few KiB costs a few times that in memory while it is read, and is then skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import glob
 import gzip
 import hashlib
 import json
@@ -32,6 +46,7 @@ import math
 import os
 import re
 import stat
+import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -45,8 +60,11 @@ logger = logging.getLogger("tokq")
 
 TEXT_EXTENSIONS = (".txt", ".md", ".rst")
 JSONL_EXTENSION = ".jsonl"
-ACCEPTED_EXTENSIONS = (*TEXT_EXTENSIONS, JSONL_EXTENSION)
-ACCEPTED_HINT = ".txt, .md, .rst or .jsonl files (each optionally .gz)"
+# Tables read through `datasets`: extension -> its packaged builder. Not also .gz: parquet compresses
+# itself, and `datasets` reads neither format through gzip.
+TABLE_EXTENSIONS = {".parquet": "parquet", ".arrow": "arrow"}
+ACCEPTED_EXTENSIONS = (*TEXT_EXTENSIONS, JSONL_EXTENSION, *TABLE_EXTENSIONS)
+ACCEPTED_HINT = ".txt, .md, .rst or .jsonl files (each optionally .gz), or .parquet / .arrow tables"
 
 # More than this fraction of control characters (other than tab, newlines, form feed) means
 # the file is not text, even if it happens to decode as UTF-8.
@@ -61,10 +79,14 @@ MIB = 1 << 20
 DEFAULT_MAX_DOC_MB = 64
 DEFAULT_MAX_FILE_MB = 1024
 MAX_DOC_MB_HELP = ("Skip a document larger than this many MiB: a text file (after decompression: where a gzip "
-                   "bomb stops) or one .jsonl line.")
-MAX_FILE_MB_HELP = "Skip a file holding more than this many MiB after decompression (a whole .jsonl file)."
+                   "bomb stops), one .jsonl line or one .parquet/.arrow row.")
+MAX_FILE_MB_HELP = ("Skip a file holding more than this many MiB after decompression (a whole .jsonl file; a "
+                    ".parquet/.arrow file on disk, and the text of its rows).")
 # Decompressed bytes read at a time while skipping the rest of an over-long .jsonl line.
 _SKIP_CHUNK = 1 << 20
+# Rows per record batch `datasets` hands over (for parquet, the default is a whole row group): a small
+# one keeps each batch small. pyarrow still decompresses a whole page, which holds at least one value.
+_TABLE_BATCH_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -92,7 +114,9 @@ def _mib(n_bytes: int) -> str:
 @dataclass(frozen=True)
 class Document:
     """One document's text. `doc_id` is its path relative to the loaded folder (`file.jsonl#L<n>`
-    for a line of a .jsonl file); `sha256` is of the UTF-8 text, so it identifies the content."""
+    for line n of a .jsonl file, counted from 1 as editors do; `file.parquet#R<n>` for row n of a
+    table, counted from 0 as `datasets` indexes it: `Dataset[n]`); `sha256` is of the UTF-8 text,
+    so it identifies the content."""
 
     doc_id: str
     path: Path
@@ -107,14 +131,18 @@ class Document:
 
 @dataclass(frozen=True)
 class SkippedFile:
-    """A file (or one line of a .jsonl file, when `line` is set) that was not used, and why."""
+    """A file (or one line of a .jsonl file, when `line` is set, or one row of a table, when `row` is)
+    that was not used, and why."""
 
     path: Path
     reason: str
     line: int | None = None
+    row: int | None = None
 
     @property
     def name(self) -> str:
+        if self.row is not None:
+            return f"{self.path}#R{self.row}"
         return f"{self.path}#L{self.line}" if self.line is not None else str(self.path)
 
 
@@ -174,7 +202,8 @@ class DocumentSet:
                 {"doc_id": d.doc_id, "path": str(d.path), "chars": d.n_chars, "sha256": d.sha256}
                 for d in self.documents
             ],
-            "skipped": [{"path": str(s.path), "line": s.line, "reason": s.reason} for s in self.skipped],
+            "skipped": [{"path": str(s.path), "line": s.line, "row": s.row, "reason": s.reason}
+                        for s in self.skipped],
             "ignored": [str(p) for p in self.ignored],
         }
 
@@ -183,10 +212,11 @@ class UnusableText(Exception):
     """Raised by `decode_text` (and internally) for input that is not usable text; `load_documents`
     turns it into a skipped file, or a DataError when strict."""
 
-    def __init__(self, reason: str, line: int | None = None):
+    def __init__(self, reason: str, line: int | None = None, row: int | None = None):
         super().__init__(reason)
         self.reason = reason
         self.line = line
+        self.row = row
 
 
 def load_documents(
@@ -221,8 +251,8 @@ def load_documents(
     skipped: list[SkippedFile] = []
     n_files = 0
 
-    def skip(path: Path, reason: str, line: int | None = None) -> None:
-        entry = SkippedFile(path, reason, line)
+    def skip(path: Path, reason: str, line: int | None = None, row: int | None = None) -> None:
+        entry = SkippedFile(path, reason, line, row)
         if strict:
             raise DataError(f"{entry.name}: {reason}; fix or remove it, or load without strict to skip it")
         if len(skipped) < MAX_LOGGED_SKIPS:
@@ -235,15 +265,19 @@ def load_documents(
         try:
             if _extension(path).startswith(JSONL_EXTENSION):
                 docs, bad_lines = _read_jsonl(rel, path, jsonl_field, min_chars, limits)
+            elif _extension(path) in TABLE_EXTENSIONS:
+                docs, bad_lines = _read_table(rel, path, jsonl_field, min_chars, limits)
             else:
                 docs, bad_lines = [Document(rel, path, _checked_text(_read_text(path, limits), min_chars))], []
         except UnusableText as e:
             skip(path, e.reason)
             continue
         for bad in bad_lines:
-            skip(path, bad.reason, bad.line)
+            skip(path, bad.reason, bad.line, bad.row)
         if not docs and not bad_lines and _extension(path).startswith(JSONL_EXTENSION):
             skip(path, "empty (no JSON lines)")
+        if not docs and not bad_lines and _extension(path) in TABLE_EXTENSIONS:
+            skip(path, "empty (no rows)")
         if docs:
             n_files += 1
             documents.extend(docs)
@@ -263,7 +297,8 @@ def load_documents(
     return DocumentSet(root=root, documents=documents, skipped=skipped, ignored=ignored, n_files=n_files)
 
 
-_ACCEPTED_WITH_GZ = frozenset((*ACCEPTED_EXTENSIONS, *(e + ".gz" for e in ACCEPTED_EXTENSIONS)))
+_GZIPPABLE = (*TEXT_EXTENSIONS, JSONL_EXTENSION)
+_ACCEPTED_WITH_GZ = frozenset((*ACCEPTED_EXTENSIONS, *(e + ".gz" for e in _GZIPPABLE)))
 
 
 def _extension(path: Path) -> str:
@@ -482,3 +517,116 @@ def _jsonl_document(doc_id: str, path: Path, line: bytes, jsonl_field: str, min_
         raise UnusableText(f"lone surrogate U+{ord(surrogate.group()):04X} at character {surrogate.start()} of "
                            f"{jsonl_field!r} (an unpaired \\u escape, not text); fix or remove the line")
     return Document(doc_id, path, _checked_text(value.replace("\r\n", "\n"), min_chars))
+
+
+def _read_table(
+    rel: str, path: Path, field: str, min_chars: int, limits: ReadLimits
+) -> tuple[list[Document], list[UnusableText]]:
+    """One document per row of a .parquet / .arrow file, its text in the string column `field`, streamed
+    through `datasets`; bad rows (null, longer than `limits.max_doc_bytes`, not text) come back as
+    UnusableText with their row. UnusableText for the whole file when it is not a regular file, is
+    larger than `limits.max_file_bytes` on disk or holds more text than that, is corrupt, or has no
+    string column `field`."""
+    with _open_regular(path) as raw:  # a FIFO or a device is refused here, before `datasets` opens the path
+        if os.fstat(raw.fileno()).st_size > limits.max_file_bytes:
+            raise _too_large(limits.max_file_bytes, "--max-file-mb", decompressed=False, what="file")
+    if "::" in str(path):  # fsspec, under `datasets`, splits "a::b" as a chained URL and finds no file
+        raise UnusableText("its path holds '::', which datasets reads as a chained URL; rename it")
+    import datasets  # here, not at the top: it takes about a second to import, and only tables need it
+
+    docs: list[Document] = []
+    bad: list[UnusableText] = []
+    total = 0  # bytes of text so far, against limits.max_file_bytes: a compressed table expands
+    with tempfile.TemporaryDirectory(prefix="tokq-datasets-") as cache, _quiet_datasets(datasets), \
+            contextlib.closing(_table_rows(datasets, path, field, cache)) as rows:
+        for row, (n_bytes, value) in enumerate(rows):
+            if n_bytes is None:
+                bad.append(UnusableText(f"no text ({field!r} is null)", row=row))
+                continue
+            total += n_bytes
+            if total > limits.max_file_bytes:
+                cap = _mib(limits.max_file_bytes)
+                raise UnusableText(f"holds more than {cap} MiB of text (--max-file-mb {cap}); "
+                                   "raise --max-file-mb to read it")
+            if n_bytes > limits.max_doc_bytes:
+                cap = _mib(limits.max_doc_bytes)
+                reason = f"longer than {cap} MiB (--max-doc-mb {cap}); raise --max-doc-mb to read it"
+                bad.append(UnusableText(reason, row=row))
+                continue
+            try:  # the row's UTF-8 bytes, checked as any document's (not UTF-8, binary, CRLF)
+                text = decode_text(value.as_buffer().to_pybytes())
+                docs.append(Document(f"{rel}#R{row}", path, _checked_text(text, min_chars)))
+            except UnusableText as e:
+                bad.append(UnusableText(e.reason, row=row))
+    return docs, bad
+
+
+def _table_rows(datasets: Any, path: Path, field: str, cache: str) -> Iterator[tuple[int | None, Any]]:
+    """(UTF-8 bytes or None for a null, Arrow scalar) of each row's `field` in a .parquet / .arrow file,
+    a record batch at a time. A row is measured from its Arrow buffer, never copied into a Python
+    string first, so an over-long one costs no more memory than its batch already holds. UnusableText
+    when `datasets` cannot read the file or it has no string column `field`: anything `datasets` (or
+    pyarrow under it) raises means the file is unusable, not that tokq is broken, so each call into it
+    is guarded, and nothing else is."""
+    builder = TABLE_EXTENSIONS[_extension(path)]
+    # data_files is a glob pattern: escaped, `a[1].parquet` names itself and not `a1.parquet`
+    pattern = glob.escape(os.path.abspath(path))
+
+    def load(**options: Any) -> Any:
+        # streaming: no arrow copy of the table is written; cache_dir: its lock files go to `cache`
+        return datasets.load_dataset(builder, data_files=pattern, split="train", streaming=True,
+                                     cache_dir=cache, **options)
+
+    try:
+        features = load().features or {}
+    except Exception as e:
+        raise _unreadable_table(builder, e) from e
+    if field not in features:
+        raise UnusableText(f"no column {field!r} (has: {', '.join(sorted(features)[:5]) or 'nothing'})")
+    feature = features[field]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+        raise UnusableText(f"column {field!r} holds {kind} values, not strings")
+    try:
+        if builder == "parquet":  # only the text column is decoded, a few rows at a time
+            table = load(columns=[field], batch_size=_TABLE_BATCH_ROWS)
+        else:
+            table = load().select_columns([field])
+        batches = iter(table.with_format("arrow").iter(batch_size=_TABLE_BATCH_ROWS))
+    except Exception as e:
+        raise _unreadable_table(builder, e) from e
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise _unreadable_table(builder, e) from e
+        for chunk in batch.column(field).chunks:
+            for i in range(len(chunk)):
+                value = chunk[i]
+                yield (value.as_buffer().size if value.is_valid else None), value
+
+
+def _unreadable_table(builder: str, error: Exception) -> UnusableText:
+    detail = (str(error).strip().splitlines() or [""])[0][:200]
+    what = type(error).__name__ + (f": {detail}" if detail else "")
+    kind = {"parquet": "a parquet", "arrow": "an Arrow IPC"}[builder]
+    return UnusableText(f"corrupt, or not {kind} file ({what}); write it again, e.g. with datasets' "
+                        "to_parquet or save_to_disk")
+
+
+@contextlib.contextmanager
+def _quiet_datasets(datasets: Any) -> Iterator[None]:
+    """`datasets` logs a file it cannot read at ERROR (tokq's own warning names it, once) and may draw
+    progress bars: both off while tokq reads a table, and as they were afterwards."""
+    library_logger = logging.getLogger("datasets")
+    level, bars = library_logger.level, datasets.is_progress_bar_enabled()
+    library_logger.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        library_logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
