@@ -43,7 +43,7 @@ def test_per_bucket_rules(tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.replace('model = "smollm2-135m"', "# no model"), r"tokq.toml:\d+: \[base\] needs model"),
     (lambda s: s.replace("concurrency = 16", "concurrency = \"many\""),
-     r"tokq.toml:22: \[bench\] concurrency = 'many' must be an integer"),
+     r"tokq.toml:24: \[bench\] concurrency = 'many' must be an integer"),
     (lambda s: s.replace("max_kl = 0.05", "max_kl = \"low\""), r"tokq.toml:\d+: \[gate.quality\] max_kl = 'low' must be a number"),
     (lambda s: s.replace("window = 2048", "windw = 2048"), r"\[data.default\] windw is not a known key"),
     (lambda s: s.replace("[bench]\nprompt_len", "[bench]\nspeed = 3\nprompt_len"), r"\[bench\] speed is not a known key"),
@@ -263,3 +263,33 @@ def test_ci_examples_fail_the_job_on_every_nonzero_exit(tmp_path, code):
         done = subprocess.run([*shell, script], env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == code, (script, done.stderr)
         assert ("inconclusive (exit 3): rerun the job or lengthen the run" in done.stdout) == (code == 3)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("0", "max_doc_mb = 0 must be a positive number of MiB"),
+    ("-1.5", "max_doc_mb = -1.5 must be a positive number of MiB"),
+    ("nan", "max_doc_mb = nan must be a finite number"),
+    ("inf", "max_doc_mb = inf must be a finite number"),
+    ('"64"', "max_doc_mb = '64' must be a number"),
+])
+def test_data_read_caps_must_be_positive_mib(tmp_path, value, message):
+    path = quick(tmp_path, "max_kl = 0.3", f"max_doc_mb = {value}\n")
+    line = path.read_text().splitlines().index(f"max_doc_mb = {value}") + 1
+    with pytest.raises(ConfigError) as err:
+        load_project(path)
+    assert str(err.value) == f"{path}:{line}: [data.default] {message}"
+    other = rf"tokq.toml:{line}: \[data.default\] max_file_mb = 0 must be a positive"
+    with pytest.raises(ConfigError, match=other):
+        load_project(quick(tmp_path, "max_kl = 0.3", "max_file_mb = 0\n"))
+
+
+def test_data_read_caps_default_to_the_flags(tmp_path):
+    from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
+
+    data = load_project(quick(tmp_path, "max_kl = 0.3")).data["default"]
+    assert (data.max_doc_mb, data.max_file_mb) == (DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB)
+    caps = "max_doc_mb = 0.5\nmax_file_mb = 8\n"
+    data = load_project(quick(tmp_path, "max_kl = 0.3", caps)).data["default"]
+    assert (data.max_doc_mb, data.max_file_mb) == (0.5, 8.0)
+    # the starter shows both, commented, with the flags' defaults
+    assert "# max_doc_mb = 64 " in STARTER and "# max_file_mb = 1024 " in STARTER

@@ -364,3 +364,29 @@ def test_no_speed_with_only_speed_rules_is_refused(project, tmp_path, capsys):
     code, report = _gate_at(path, tmp_path / "report", "--no-speed")
     assert code == 2 and report is None and not (folder / "built").exists()  # refused before building anything
     assert "[gate.quality] holds no rule and --no-speed skips [gate.speed]" in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_data_caps_in_tokq_toml_skip_a_long_document(project, tmp_path, caplog):
+    """[data.NAME] max_doc_mb reaches the gate's document loading: a longer document is skipped, warned."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rng = random.Random(1)
+    for i in range(3):
+        (docs / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)) + "\n")  # ~1.4 KB
+    (docs / "big.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(3000)) + "\n")  # ~14 KB
+    config = absolute((project / "tokq.toml").read_text(), project).replace(
+        f'path = "{project / "docs"}"', f'path = "{docs}"\nmax_doc_mb = 0.0078125')  # 8 KiB
+    assert "max_doc_mb = 0.0078125" in config
+    path = tmp_path / "tokq.toml"
+    path.write_text(config)
+    out = tmp_path / "report"
+    with caplog.at_level("WARNING", logger="tokq"):
+        code = main(["gate", "--config", str(path), "--variant", "same", "--out", str(out), "--threads", "1",
+                     "--no-speed"])
+    report = json.loads((out / "report.json").read_text())
+    assert code == 0, report["variants"]["same"]["rules"]
+    assert report["variants"]["same"]["compare"]["data"] | {"path": None} == {
+        "path": None, "documents": 3, "skipped": 1, "shorter_than_window": 0, "windowed": 3}
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tokq"]
+    skip = "larger than 0.0078125 MiB (--max-doc-mb 0.0078125)"
+    assert any("big.txt" in w and skip in w for w in warnings), warnings

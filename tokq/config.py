@@ -12,6 +12,8 @@
     path = "~/.cache/tokq/data/default"
     window = 2048
     sample_windows = 16
+    max_doc_mb = 64                 # read caps, as `tokq compare --max-doc-mb / --max-file-mb`
+    max_file_mb = 1024
 
     [bench]
     prompt_len = 512
@@ -43,13 +45,16 @@ from pathlib import Path
 from typing import Any
 
 from tokq.errors import ConfigError
+from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
 from tokq.project import load_config
 
 QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max",
                  "max_kl_p90": "max", "max_kl_p95": "max", "max_kl_p99": "max", "max_kl_p999": "max",
                  "max_rms_delta_p": "max"}
 DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context", "probe_depths",
-             "probe_repeats"}
+             "probe_repeats", "max_doc_mb", "max_file_mb"}
+# [data.NAME] keys in MiB, as the --max-doc-mb / --max-file-mb flags take them: any positive finite number.
+DATA_MIB_KEYS = {"max_doc_mb", "max_file_mb"}
 # Speed rules: the variant against the base on the [bench] workload, measured as one paired experiment
 # (evalsuite.gate_rules maps each to its metric). "speedup": base / variant for times, variant / base for
 # throughputs (higher is better); "ratio": variant / base (lower is better).
@@ -78,6 +83,8 @@ class DataSet:
     probe_max_context: int | None = None  # longest passkey probe context (default: the window)
     probe_depths: int = 5  # needle depths per probe context, evenly spaced 0..1
     probe_repeats: int = 1  # probes (each its own key) per (context, depth)
+    max_doc_mb: float = DEFAULT_MAX_DOC_MB  # read caps (documents.ReadLimits), as `compare --max-doc-mb`
+    max_file_mb: float = DEFAULT_MAX_FILE_MB
 
 
 @dataclass
@@ -314,9 +321,15 @@ def _data_set(check: _Checker, path: Path, name: str, entry: dict) -> DataSet:
         raise check.fail(table, None, "needs path = \"<folder of documents>\"")
     folder = Path(check.string(table, "path", entry["path"])).expanduser()
     data = DataSet(name, folder if folder.is_absolute() else path.parent / folder)
-    for key in sorted(DATA_KEYS - {"path"}):
+    for key in sorted(DATA_KEYS - {"path"} - DATA_MIB_KEYS):
         if key in entry:
             setattr(data, key, int(check.number(table, key, entry[key], integer=True, minimum=1)))
+    for key in sorted(DATA_MIB_KEYS & set(entry)):
+        # finite and > 0, as the flags: 0 would skip every document, inf or nan cap nothing
+        mib = check.number(table, key, entry[key], finite=True)
+        if mib <= 0:
+            raise check.fail(table, key, f"= {mib!r} must be a positive number of MiB")
+        setattr(data, key, float(mib))
     return data
 
 
@@ -387,10 +400,12 @@ int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme =
 # w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }
 
 [data.default]
-path = "~/.cache/tokq/data/default"   # your long documents (txt, md, rst, jsonl, .gz)
+path = "~/.cache/tokq/data/default"   # your long documents (txt, md, rst, jsonl, .gz; parquet, arrow)
 window = 2048                          # tokens per scored window
 sample_windows = 16                    # windows spread evenly over the documents
 probe_repeats = 2                      # passkey probes per (context, depth): 2 contexts x 5 depths x 2 = 20
+# max_doc_mb = 64                      # skip a document (a file, a .jsonl line, a table row) over 64 MiB
+# max_file_mb = 1024                   # skip a file holding more than 1024 MiB, decompressed
 
 [bench]
 prompt_len = 512

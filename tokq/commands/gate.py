@@ -256,6 +256,7 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
                   no_speed: bool) -> dict:
     from tokq.commands.compare import compare_pair
     from tokq.evalsuite.gate_rules import overall_result, quality_thresholds, speed_verdicts
+    from tokq.longctx.documents import read_limits
 
     console.print(f"[bold]gate {escape(name)}[/]: quality on {escape(f'[data.{data.name}]')}", highlight=False)
     quality = compare_pair(str(base), str(checkpoint), runtime, data=data.path, window=data.window,
@@ -263,7 +264,8 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
                            probe_max_context=data.probe_max_context, probe_depths=data.probe_depths,
                            probe_repeats=data.probe_repeats,
                            thresholds=quality_thresholds(project.quality), threshold_on=project.quality_on,
-                           dtype=project.dtype, seed=seed)
+                           dtype=project.dtype, seed=seed,
+                           limits=read_limits(data.max_doc_mb, data.max_file_mb))  # [data.NAME] read caps
     quality["a"]["name"], quality["b"]["name"] = _display_name(project.base), name  # names, never absolute paths
     rules = [{"kind": "quality", **t, "result": t.get("result") or (
         "pass" if t["passed"] else "inconclusive" if t.get("inconclusive") else "fail")} for t in quality["thresholds"]]
