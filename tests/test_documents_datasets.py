@@ -123,8 +123,24 @@ def test_caps_skip_a_long_row_a_file_with_too_much_text_and_a_large_file(tmp_pat
     assert [d.doc_id for d in docs] == ["a.parquet#R0", "a.parquet#R2"]
     reasons = {Path(s.name).name: s.reason for s in docs.skipped}
     assert reasons["a.parquet#R1"].startswith("longer than 0.00390625 MiB (--max-doc-mb 0.00390625)")
+    # dictionary-encoded (one value ten times): its footer declares little, the streamed count catches it
     assert reasons["b.parquet"].startswith("holds more than 0.0195312 MiB of text (--max-file-mb 0.0195312)")
     assert (tmp_path / "b.parquet").stat().st_size < 20480
+
+
+def test_a_parquet_bomb_is_refused_from_its_footer(tmp_path: Path) -> None:
+    """A parquet bomb: a few KB on disk, 48 MiB of text once decompressed. Refused from the footer's declared
+    size (the message says so), before datasets streams a row; the streamed count would say "holds more than"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["z" * (12 << 20)] * 4}), tmp_path / "bomb.parquet", compression="zstd",
+                   use_dictionary=False)
+    assert (tmp_path / "bomb.parquet").stat().st_size < (1 << 20)
+    (tmp_path / "ok.txt").write_text(PROSE)
+    docs = load_documents(tmp_path, limits=ReadLimits(max_doc_bytes=64 << 20, max_file_bytes=16 << 20))
+    assert [d.doc_id for d in docs] == ["ok.txt"]
+    assert docs.skipped[0].reason.startswith("its column 'text' expands to 48 MiB (--max-file-mb 16)")
 
 
 def test_a_table_larger_than_max_file_mb_on_disk_is_not_read(tmp_path: Path) -> None:

@@ -26,11 +26,13 @@ reading at most one byte past the cap. A .jsonl file is read line by line, so a 
 UTF-8, invalid JSON, a lone surrogate escape such as `"\ud800"`) skips only that line. A .parquet
 or .arrow file larger than `max_file_bytes` on disk is skipped unread; otherwise its rows are
 streamed and a row over `max_doc_bytes` (or null) skips only that row, and a file whose text adds
-up to more than `max_file_bytes` (a compressed table expands) is skipped. Only the text column of
-a parquet file is decoded, and a row is measured in its Arrow buffer before any copy is made, but
-pyarrow decompresses what it reads (a parquet page, which holds at least one whole value; an arrow
-file's record batch) before tokq can measure it: a table that compresses hundreds of MiB of text
-into a few KiB costs a few times that in memory while it is read, and is then skipped.
+up to more than `max_file_bytes` (a compressed table expands) is skipped. A parquet file whose
+footer declares more than `max_file_bytes` of uncompressed text is skipped before a page is read (a
+parquet bomb). Only the text column of a parquet file is decoded, and a row is measured in its Arrow
+buffer before any copy is made, but pyarrow decompresses what it reads (a parquet page, which holds
+at least one whole value; an arrow file's record batch) before tokq can measure it: a dictionary-
+encoded table (whose footer declares only the distinct values) or a compressed arrow file can still
+cost a few times one batch in memory while it is read, and is then skipped.
 """
 
 from __future__ import annotations
@@ -538,7 +540,7 @@ def _read_table(
     bad: list[UnusableText] = []
     total = 0  # bytes of text so far, against limits.max_file_bytes: a compressed table expands
     with tempfile.TemporaryDirectory(prefix="tokq-datasets-") as cache, _quiet_datasets(datasets), \
-            contextlib.closing(_table_rows(datasets, path, field, cache)) as rows:
+            contextlib.closing(_table_rows(datasets, path, field, cache, limits.max_file_bytes)) as rows:
         for row, (n_bytes, value) in enumerate(rows):
             if n_bytes is None:
                 bad.append(UnusableText(f"no text ({field!r} is null)", row=row))
@@ -561,7 +563,8 @@ def _read_table(
     return docs, bad
 
 
-def _table_rows(datasets: Any, path: Path, field: str, cache: str) -> Iterator[tuple[int | None, Any]]:
+def _table_rows(datasets: Any, path: Path, field: str, cache: str,
+                limits_bytes: int) -> Iterator[tuple[int | None, Any]]:
     """(UTF-8 bytes or None for a null, Arrow scalar) of each row's `field` in a .parquet / .arrow file,
     a record batch at a time. A row is measured from its Arrow buffer, never copied into a Python
     string first, so an over-long one costs no more memory than its batch already holds. UnusableText
@@ -583,6 +586,8 @@ def _table_rows(datasets: Any, path: Path, field: str, cache: str) -> Iterator[t
         raise _unreadable_table(builder, e) from e
     if field not in features:
         raise UnusableText(f"no column {field!r} (has: {', '.join(sorted(features)[:5]) or 'nothing'})")
+    if builder == "parquet":
+        _check_parquet_expansion(path, field, limits_bytes)
     feature = features[field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
@@ -606,6 +611,27 @@ def _table_rows(datasets: Any, path: Path, field: str, cache: str) -> Iterator[t
             for i in range(len(chunk)):
                 value = chunk[i]
                 yield (value.as_buffer().size if value.is_valid else None), value
+
+
+def _check_parquet_expansion(path: Path, field: str, max_bytes: int) -> None:
+    """A parquet bomb (a few KB holding GBs of highly compressible text) is refused from its footer,
+    before pyarrow decompresses a page: the text column's declared uncompressed size, summed over row
+    groups, must fit `max_bytes` (--max-file-mb, the same cap a gzip file's decompressed size meets)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+        columns = [meta.schema.column(i).path for i in range(meta.num_columns)]
+        index = columns.index(field)
+        declared = sum(meta.row_group(g).column(index).total_uncompressed_size for g in range(meta.num_row_groups))
+    except ValueError:
+        return  # not a flat column of that name: the reader reports what the file holds
+    except Exception as e:
+        raise _unreadable_table("parquet", e) from e
+    if declared > max_bytes:
+        cap = _mib(max_bytes)
+        raise UnusableText(f"its column {field!r} expands to {declared / 2**20:,.0f} MiB (--max-file-mb {cap}); "
+                           "raise --max-file-mb to read it")
 
 
 def _unreadable_table(builder: str, error: Exception) -> UnusableText:
