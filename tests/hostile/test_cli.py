@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -14,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hostile.conftest import write_word_docs
 from tests.test_models_vs_hf import make_hf_checkpoint
-from tests.test_quantize_cli import WORDS, save_word_tokenizer
+from tests.test_quantize_cli import save_word_tokenizer
 from tokq.cli import main
 
 
@@ -52,11 +52,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("docs")
-    rng = random.Random(0)
-    for i, n in enumerate((400, 300, 250)):
-        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n)) + "\n")
-    return folder
+    return write_word_docs(tmp_path_factory.mktemp("docs"), (400, 300, 250))
 
 
 COMPARE = ("--window", "128", "--threads", "1", "--dtype", "fp32", "--no-probes", "--decode-tokens", "16",

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_models_vs_hf import make_hf_checkpoint
-from tests.test_quantize_cli import WORDS, save_word_tokenizer
+from tests.test_quantize_cli import WORDS
 from tokq.cli import main
 from tokq.errors import DataError
 from tokq.longctx.documents import load_documents
@@ -415,12 +414,6 @@ def test_invalid_utf8_in_one_jsonl_line_skips_only_that_line(tmp_path: Path) -> 
 # Whole runs
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    make_hf_checkpoint("llama", path)
-    save_word_tokenizer(path)
-    return path
 
 
 def test_score_on_a_hostile_folder_completes(capsys, caplog, checkpoint: Path, tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_models_vs_hf import make_hf_checkpoint
-from tests.test_quantize_cli import WORDS, save_word_tokenizer
+from tests.hostile.conftest import write_word_docs
 from tokq.cli import main
 from tokq.project import find_variant, tomllib  # tomllib, or tomli before Python 3.11
 
@@ -32,20 +30,8 @@ def run(capsys, *args) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    make_hf_checkpoint("llama", path)
-    save_word_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def docs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("docs")
-    rng = random.Random(0)
-    for i, n in enumerate((400, 300)):
-        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n)) + "\n")
-    return folder
+    return write_word_docs(tmp_path_factory.mktemp("docs"), (400, 300))
 
 
 @pytest.fixture()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import struct
 from pathlib import Path
@@ -15,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.hostile.conftest import write_word_docs
 from tests.test_models_vs_hf import BASE, make_hf_checkpoint
-from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
 from tokq.engine.checkpoint import load_model
 from tokq.engine.config import read_config
@@ -25,11 +24,8 @@ from tokq.errors import ModelError
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("hostile_models") / "llama"
-    make_hf_checkpoint("llama", path)
-    save_word_tokenizer(path)
-    return path
+def pristine(checkpoint) -> Path:
+    return checkpoint
 
 
 @pytest.fixture()
@@ -40,11 +36,7 @@ def ckpt(pristine, tmp_path) -> Path:
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("hostile_docs")
-    rng = random.Random(0)
-    for i in range(2):
-        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(300)) + "\n")
-    return folder
+    return write_word_docs(tmp_path_factory.mktemp("hostile_docs"), (300, 300))
 
 
 @pytest.fixture()

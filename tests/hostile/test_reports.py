@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.hostile.conftest import write_word_docs
 from tests.test_models_vs_hf import make_hf_checkpoint
-from tests.test_quantize_cli import WORDS, save_word_tokenizer
+from tests.test_quantize_cli import save_word_tokenizer
 from tokq.cli import main
 
 # Closes an attribute, opens a tag, and runs a script: a raw copy of any of it in report.html is an injection.
@@ -41,11 +41,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("docs")
-    rng = random.Random(0)
-    for i, n in enumerate((300, 200)):
-        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n)) + "\n")
-    return folder
+    return write_word_docs(tmp_path_factory.mktemp("docs"), (300, 200))
 
 
 def compare_args(a: Path, b: Path, docs: Path, *extra) -> list[str]:
