@@ -111,7 +111,7 @@ def main() -> None:
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    from tokq.quantize.api import quantize_model
+    from tokq.quantize.pipeline import quantize_model
     from tokq.quantize.scheme import preset
 
     checkpoint = resolve_model(MODEL)

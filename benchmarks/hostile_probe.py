@@ -92,12 +92,12 @@ HOLD = textwrap.dedent("""
 # The real CLI, its quantize_model slowed by 8 s: stands in for a model that takes minutes to quantize.
 SLOW_QUANTIZE = textwrap.dedent("""
     import sys, time
-    import tokq.quantize.api as api
-    real = api.quantize_model
+    import tokq.quantize.pipeline as api
+    real = pipeline.quantize_model
     def slow(*args, **kwargs):
         time.sleep(8)
         return real(*args, **kwargs)
-    api.quantize_model = slow
+    pipeline.quantize_model = slow
     from tokq.cli import main
     sys.exit(main(sys.argv[1:]))
 """)

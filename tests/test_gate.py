@@ -311,12 +311,12 @@ def test_recipe_hash_reuse_rebuild_and_interrupted_rebuild(project, tmp_path, mo
     assert report["variants"]["rtn"]["compare"]["b"]["sha256"] != report["variants"]["rtn"]["compare"]["a"]["sha256"]
 
     # A rebuild interrupted half-way keeps the complete old checkpoint (and its hash).
-    from tokq.quantize import api
+    from tokq.quantize import pipeline
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "quantize_model", interrupted)
+    monkeypatch.setattr(pipeline, "quantize_model", interrupted)
     _own_project(project, folder, "method = \"rtn\", group_size = 32")
     assert _gate_at(path, tmp_path / "r4") == (130, None)
     assert json.loads((built / "tokq_quantization.json").read_text()) == second
@@ -340,12 +340,12 @@ def test_checkpoint_not_built_from_its_recipe_is_refused(project, tmp_path, caps
 
 
 def test_a_bug_while_building_a_variant_exits_4_not_blaming_the_recipe(project, tmp_path, monkeypatch, capsys):
-    from tokq.quantize import api
+    from tokq.quantize import pipeline
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel bug")
 
-    monkeypatch.setattr(api, "quantize_model", broken)
+    monkeypatch.setattr(pipeline, "quantize_model", broken)
     folder = tmp_path / "x"
     folder.mkdir()
     code, report = _gate_at(_own_project(project, folder), tmp_path / "report")

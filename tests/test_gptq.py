@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tokq.errors import ConfigError, TokqError
-from tokq.quantize.gptq import HessianAccumulator, gptq_quantize
-from tokq.quantize.quantizer import quantize_rtn, quantize_with
+from tokq.quantize.gptq_solver import HessianAccumulator, gptq_quantize
+from tokq.quantize.rounding import quantize_rtn, quantize_with
 from tokq.quantize.scheme import WeightArgs
 
 SYM64 = WeightArgs(bits=4, symmetric=True, strategy="group", group_size=64)

@@ -298,8 +298,8 @@ def test_kernels_list_cli(tmp_path, capsys):
     from tests.test_models_vs_hf import make_hf_checkpoint
     from tokq.cli import main
     from tokq.engine.checkpoint import load_model
-    from tokq.quantize.api import quantize_model
     from tokq.quantize.formats import save_quantized
+    from tokq.quantize.pipeline import quantize_model
     from tokq.quantize.scheme import preset
 
     src = tmp_path / "src"

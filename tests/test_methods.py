@@ -29,13 +29,13 @@ from tokq.errors import ConfigError, DataError, TokqError
 from tokq.evalsuite.divergence import divergence, final_hidden, window_divergence
 from tokq.kernels.reference import FP8_E4M3_MAX, FP8Weight
 from tokq.longctx.windows import TokenWindow
-from tokq.quantize import api
-from tokq.quantize.api import check_method_scheme, quantize_model, resolve_scheme
+from tokq.quantize import pipeline
 from tokq.quantize.calibration import CalibrationSet, calibration_samples, capture_inputs
 from tokq.quantize.formats import save_quantized
 from tokq.quantize.mappings import block_mappings, fold_scales_
 from tokq.quantize.methods import awq, rtn
-from tokq.quantize.methods.base import MethodOptions
+from tokq.quantize.methods.options import MethodOptions
+from tokq.quantize.pipeline import check_method_scheme, quantize_model, resolve_scheme
 from tokq.quantize.scheme import preset
 
 VOCAB = BASE["vocab_size"]
@@ -110,7 +110,7 @@ def outlier_models(tmp_path_factory):
 
 def quantized(base, method: str, scheme, **options):
     model = copy.deepcopy(base)
-    calib = CALIB if method in api.NEEDS_CALIBRATION else None
+    calib = CALIB if method in pipeline.NEEDS_CALIBRATION else None
     result = quantize_model(model, method, scheme, calib, MethodOptions(**options))
     return model, result
 
@@ -248,7 +248,7 @@ def test_awq_scale_and_clip_searches_each_help(outlier_models, w4_kl, monkeypatc
 def test_comparison_rejects_a_method_that_is_rtn(outlier_models, w4_kl, monkeypatch):
     """If "awq" quietly ran RTN, the comparison above would fail: it is not vacuous."""
     base = outlier_models(10.0)
-    monkeypatch.setitem(api.METHODS, "awq", rtn)
+    monkeypatch.setitem(pipeline.METHODS, "awq", rtn)
     fake = mean_kl(base, quantized(base, "awq", W4G32)[0])
     assert fake == pytest.approx(w4_kl["rtn"], rel=1e-6)
     assert not beats(fake, w4_kl["rtn"], max(MAX_RATIO.values()))
@@ -508,7 +508,7 @@ def test_nan_weight_names_the_layer(method, scheme_name, layer, tmp_path):
     if scheme.weights.kind == "int" and scheme.weights.group_size:
         scheme = scheme.with_weights(group_size=32)
     with pytest.raises(TokqError, match=rf"NaN/Inf values in the weight in model\.layers\.1\.{re.escape(layer)}:"):
-        quantize_model(model, method, scheme, CALIB if method in api.NEEDS_CALIBRATION else None)
+        quantize_model(model, method, scheme, CALIB if method in pipeline.NEEDS_CALIBRATION else None)
 
 
 # --------------------------------------------------------------------------------------------------

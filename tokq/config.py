@@ -305,7 +305,7 @@ def _check_recipe(check: _Checker, name: str, recipe: dict) -> None:
                                                f"(as `tokq quantize {option.flag}` takes it)")
         if key == "calib" and not (isinstance(value, str) and value):  # the gate makes a Path of it
             raise check.fail("variants", name, f"recipe calib = {value!r} must be a folder path (a string)")
-    from tokq.quantize.api import METHODS
+    from tokq.quantize.pipeline import METHODS
 
     if recipe["method"] not in METHODS:
         raise check.fail("variants", name, f"recipe method = {recipe['method']!r} is not a method; choose one of "

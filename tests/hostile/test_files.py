@@ -238,12 +238,12 @@ def test_second_quantize_on_the_same_out_fails_fast(capsys, checkpoint, project,
 
 SLOW_QUANTIZE = textwrap.dedent("""
     import sys, time
-    import tokq.quantize.api as api
-    real = api.quantize_model
+    import tokq.quantize.pipeline as api
+    real = pipeline.quantize_model
     def slow(*args, **kwargs):
         time.sleep(8)
         return real(*args, **kwargs)
-    api.quantize_model = slow
+    pipeline.quantize_model = slow
     from tokq.cli import main
     sys.exit(main(sys.argv[1:]))
 """)

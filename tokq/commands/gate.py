@@ -180,7 +180,7 @@ def _variant_target(project, name: str) -> Path:
 
 def _check_variant(project, name: str) -> None:
     """Before any work: the checkpoint exists or can be built, and a recipe's checkpoint was built from a recipe."""
-    from tokq.quantize.api import recorded_recipe_sha256
+    from tokq.quantize.pipeline import recorded_recipe_sha256
 
     target = _variant_target(project, name)
     recipe = project.variants[name].recipe
@@ -218,7 +218,7 @@ def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | 
     from tokq.commands.quantize import recipe_options
     from tokq.errors import EXIT_INTERNAL, EXIT_INTERRUPTED
     from tokq.evalsuite.baseline_cache import model_hash
-    from tokq.quantize.api import recipe_sha256, recorded_recipe_sha256
+    from tokq.quantize.pipeline import recipe_sha256, recorded_recipe_sha256
 
     base = _base_checkpoint(project)
     wanted = recipe_sha256(recipe, model_hash(base))

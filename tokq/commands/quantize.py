@@ -110,10 +110,10 @@ def quantize_cmd(
     from tokq.outputs import CHECKPOINT, check_replaceable, output_lock
     from tokq.paths import data_dir
     from tokq.project import check_recordable, check_variant_name, record_variant, variants_file
-    from tokq.quantize.api import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
     from tokq.quantize.calibration import calibration_samples
     from tokq.quantize.formats.compressed_tensors import save_quantized
-    from tokq.quantize.methods.base import MethodOptions
+    from tokq.quantize.methods.options import MethodOptions
+    from tokq.quantize.pipeline import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
     from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model

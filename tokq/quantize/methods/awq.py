@@ -20,14 +20,14 @@ import torch
 from tokq.engine.layers import Linear
 from tokq.quantize.calibration import BlockContext
 from tokq.quantize.mappings import block_mappings, fold_scales_
-from tokq.quantize.methods.base import (
-    MethodOptions,
+from tokq.quantize.methods.block_ops import (
     block_linears,
     capture_block_inputs,
     install_,
     quantize_weight,
 )
-from tokq.quantize.quantizer import fake_quantize
+from tokq.quantize.methods.options import MethodOptions
+from tokq.quantize.rounding import fake_quantize
 from tokq.quantize.scheme import QuantScheme, WeightArgs
 
 

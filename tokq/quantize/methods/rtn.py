@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tokq.quantize.calibration import BlockContext
-from tokq.quantize.methods.base import MethodOptions, block_linears, install_, quantize_weight
+from tokq.quantize.methods.block_ops import block_linears, install_, quantize_weight
+from tokq.quantize.methods.options import MethodOptions
 from tokq.quantize.scheme import QuantScheme
 
 

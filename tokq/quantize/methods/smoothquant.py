@@ -17,7 +17,8 @@ import torch
 from tokq.engine.layers import Linear
 from tokq.quantize.calibration import BlockContext, capture_inputs
 from tokq.quantize.mappings import block_mappings, fold_scales_
-from tokq.quantize.methods.base import MethodOptions, block_linears, install_, quantize_weight
+from tokq.quantize.methods.block_ops import block_linears, install_, quantize_weight
+from tokq.quantize.methods.options import MethodOptions
 from tokq.quantize.scheme import QuantScheme
 
 

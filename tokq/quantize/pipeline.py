@@ -20,17 +20,11 @@ from types import ModuleType
 from tokq.engine.models import CausalLM
 from tokq.errors import ConfigError
 from tokq.quantize.calibration import BlockContext, BlockwiseRunner, CalibrationSet
-from tokq.quantize.methods import awq, rtn, smoothquant
-from tokq.quantize.methods.base import MethodOptions
+from tokq.quantize.methods import awq, gptq, rtn, smoothquant
+from tokq.quantize.methods.options import MethodOptions
 from tokq.quantize.scheme import CHANNEL, GROUP, QuantScheme, preset
 
-METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "smoothquant": smoothquant, "fp8": rtn}
-try:
-    from tokq.quantize.methods import gptq
-
-    METHODS["gptq"] = gptq
-except ImportError:  # pragma: no cover - while quantize.gptq is being written
-    pass
+METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "gptq": gptq, "smoothquant": smoothquant, "fp8": rtn}
 DEFAULT_SCHEMES = {"rtn": "w4a16", "awq": "w4a16", "gptq": "w4a16", "smoothquant": "w8a8-int8", "fp8": "w8a8-fp8"}
 NEEDS_CALIBRATION = {"awq", "gptq", "smoothquant"}
 

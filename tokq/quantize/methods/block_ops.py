@@ -1,9 +1,8 @@
-"""What every method shares: options, capturing a block's linear inputs, quantizing and installing weights."""
+"""Block operations every method uses: its quantizable Linears, capturing their inputs, quantizing and installing weights."""
 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -11,30 +10,8 @@ from tokq.engine.layers import Linear
 from tokq.engine.quant_linear import quantize_linear_
 from tokq.kernels.reference import QuantizedWeight
 from tokq.quantize.calibration import BlockContext, capture_inputs
-from tokq.quantize.quantizer import check_finite, quantize_fp8, quantize_rtn
+from tokq.quantize.rounding import check_finite, quantize_fp8, quantize_rtn
 from tokq.quantize.scheme import QuantScheme
-
-
-@dataclass
-class MethodOptions:
-    # AWQ
-    awq_grid: int = 20  # scale exponents tried in [0, 1)
-    awq_clip_grid: int = 20  # clip ratios tried in (0.5, 1]
-    awq_search_samples: int = 16  # calibration sequences used by the searches (of all captured)
-    awq_clip_tokens: int = 4096  # tokens used by the clipping search (its cost is one Gram matrix)
-    # GPTQ
-    # Static-group act-order by default (as llm-compressor does): better columns first, and the
-    # stored layout stays group-contiguous, so kernels and checkpoints are unaffected.
-    act_order: bool = True
-    damp: float = 0.01
-    gptq_block_size: int = 128
-    true_sequential: bool = True
-    # SmoothQuant
-    alpha: float | None = 0.5  # None: search alpha per block
-    alpha_grid: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def block_linears(ctx: BlockContext, scheme: QuantScheme) -> dict[str, Linear]:

@@ -62,7 +62,7 @@ import torch
 
 from tokq.errors import ConfigError, TokqError
 from tokq.kernels.reference import IntWeight
-from tokq.quantize.quantizer import check_finite, int_qparams
+from tokq.quantize.rounding import check_finite, int_qparams
 from tokq.quantize.scheme import CHANNEL, WeightArgs
 
 log = logging.getLogger("tokq")
