@@ -35,13 +35,14 @@ def busy_loop() -> subprocess.Popen:
 
 def speed_run(project, names: list[str], runtime, seed: int) -> dict:
     """One rerun of the gate's speed part for every variant: {variant: {rules, passes, load, stalls}}."""
-    from tokq.commands.gate import _base_checkpoint, _bench, _variant_target
+    from tokq.api.gate import base_checkpoint, variant_target
+    from tokq.api.gate_bench import paired_bench
     from tokq.evalsuite.gate_rules import speed_verdicts
 
-    base = _base_checkpoint(project)
+    base = base_checkpoint(project)
     out = {}
     for name in names:
-        bench = _bench(project, _variant_target(project, name), base, runtime, seed)
+        bench = paired_bench(project, variant_target(project, name), base, runtime, seed)
         analysis = bench.pop("_analysis")
         rules = speed_verdicts(project.speed, analysis, bench["memory"])
         out[name] = {"rules": [{k: r.get(k) for k in ("name", "value", "low", "high", "result")} for r in rules],

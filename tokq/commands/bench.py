@@ -1,8 +1,7 @@
 """`tokq bench A [B ...]`: serve one workload with each variant on tokq's engine; one table of serving metrics.
 
-Per variant and mode (continuous batching; static batching with --static): TTFT, TPOT, TBT p95,
-output and total throughput, memory, KV waste, the kernels used, and the decode roofline (bytes a
-decode step must read / the copy bandwidth measured in the same run) with the fraction achieved.
+The work is `tokq.api.bench` (also `tokq.bench(...)` from Python); this module parses the options and prints
+the table.
 """
 
 from __future__ import annotations
@@ -12,10 +11,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from tokq import __version__
 
 console = Console(stderr=True)
 
@@ -47,99 +43,22 @@ def bench_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the prompts, output lengths and arrivals."),
 ) -> None:
     """Serve one workload with each variant (and mode) on tokq's engine and print one table."""
-    from tokq.engine.checkpoint import load_model
-    from tokq.engine.config import read_config
-    from tokq.engine.kv_cache import parse_bytes
-    from tokq.engine.roofline import copy_bandwidth
-    from tokq.engine.workload import Workload, bench_model
-    from tokq.errors import ConfigError
+    from tokq.api.bench import run_bench
+    from tokq.api.settings import BenchSettings
     from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
-    from tokq.zoo import resolve_model
 
     check_json_target(json_path)  # refused before the benchmark, not after
     runtime = setup_runtime(threads, device, seed)
-    for flag, value in (("--prompt-len", prompt_len), ("--gen-len", gen_len), ("--concurrency", concurrency),
-                        ("--max-num-batched-tokens", max_num_batched_tokens), ("--num-speculative", num_speculative)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: must be >= 1")
-    if not 0 <= gen_len_range < 1:
-        raise ConfigError(f"--gen-len-range {gen_len_range}: must be in [0, 1)")
-    if arrival_rate <= 0:
-        raise ConfigError(f"--arrival-rate {arrival_rate}: must be > 0 requests per second")
-    workload = Workload(prompt_len, gen_len, num_prompts or concurrency, gen_len_range, arrival_rate, seed)
-    checkpoints = {v: resolve_model(v) for v in variants}
-    configs = {v: read_config(c) for v, c in checkpoints.items()}
-    vocab = {c.vocab_size for c in configs.values()}
-    for name, config in configs.items():
-        if prompt_len + gen_len > config.max_position_embeddings:
-            raise ConfigError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceed {name}'s context of "
-                              f"{config.max_position_embeddings} tokens")
-    if len(vocab) > 1:
-        raise ConfigError(f"the variants have different vocabularies ({sorted(vocab)}): compare variants of one model")
-    compute = dtype if dtype != "auto" else ("fp16" if runtime.device.startswith("cuda") else "bf16")
-    doc_tokens = _document_tokens(documents, checkpoints[variants[0]]) if documents else None
-    prompts = workload.prompts(vocab.pop(), doc_tokens)
-    engine_kwargs = dict(kv_dtype=kv_dtype, max_num_seqs=concurrency, max_num_batched_tokens=max_num_batched_tokens,
-                         kv_memory=parse_bytes(kv_memory) if kv_memory else None)
-    bandwidth = copy_bandwidth(runtime.device)
-    modes = ["continuous"] + (["static"] if static else [])
-    rows: list[dict] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        for name in variants:
-            model = load_model(checkpoints[name], dtype=compute, device=runtime.device)
-            rows += bench_model(name, model, workload, modes, engine_kwargs, bandwidth["gbps_median"], prompts,
-                                progress)
-            if draft and name == variants[0]:
-                baseline = next(r for r in rows if r["variant"] == name and r["mode"] == "continuous")
-                rows.append(_speculative_row(name, model, draft, compute, runtime.device, workload, prompts,
-                                             engine_kwargs, num_speculative, baseline["metrics"]["tpot_mean_s"]))
-            del model
-    bandwidth_end = copy_bandwidth(runtime.device)
-    _print_table(rows, workload, runtime, compute, bandwidth)
+    settings = BenchSettings(prompt_len=prompt_len, gen_len=gen_len, gen_len_range=gen_len_range,
+                             concurrency=concurrency, num_prompts=num_prompts, arrival_rate=arrival_rate,
+                             static=static, draft=draft, num_speculative=num_speculative, dtype=dtype,
+                             kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_batched_tokens=max_num_batched_tokens,
+                             data=documents, seed=seed)
+    result = run_bench(variants, settings, runtime)
+    _print_table(result.rows, result.workload, runtime, result.dtype, result.bandwidth["start"])
     if json_path:
-        write_json(json_path, {
-            "tokq_version": __version__, "command": "bench", "variants": variants,
-            "checkpoints": {k: str(v) for k, v in checkpoints.items()}, "dtype": compute, "kv_dtype": kv_dtype,
-            "workload": workload.to_json(), "runtime": runtime.to_json(),
-            "bandwidth": {"start": bandwidth, "end": bandwidth_end}, "rows": rows,
-        })
-
-
-def _document_tokens(folder: Path, checkpoint: Path) -> list[list[int]]:
-    from tokq.engine.tokenizer import load_tokenizer
-    from tokq.longctx.documents import load_documents
-
-    tokenizer = load_tokenizer(checkpoint)
-    docs = load_documents(folder)
-    return [tokenizer(d.text, add_special_tokens=False)["input_ids"] for d in docs.documents]
-
-
-def _speculative_row(name, model, draft, compute, device, workload, prompts, engine_kwargs, k,
-                     baseline_tpot_s: float) -> dict:
-    """Speculative decoding of the first variant with the draft (all requests at once, batched); the net
-    speedup is against the same variant's continuous-batching TPOT, with a warning when it is below 1."""
-    from tokq.engine.checkpoint import load_model
-    from tokq.engine.llm_engine import EngineConfig, LLMEngine
-    from tokq.engine.sampling import SamplingParams
-    from tokq.engine.speculative import SpeculativeDecoder
-    from tokq.zoo import resolve_model
-
-    max_len = workload.prompt_len + max(workload.output_lengths()) + k + 1
-    draft_model = load_model(resolve_model(draft), dtype=compute, device=device)
-    target = LLMEngine(model, EngineConfig(max_model_len=max_len, **engine_kwargs))
-    drafter = LLMEngine(draft_model, EngineConfig(max_model_len=max_len, **engine_kwargs))
-    decoder = SpeculativeDecoder(target, drafter, k)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lengths()]
-    decoder.generate(prompts, params)
-    metrics = decoder.metrics()
-    speedup = decoder.warn_if_slower(baseline_tpot_s)
-    return {"variant": f"{name} + draft {draft}", "mode": f"speculative k={k}", "metrics": metrics.to_json(),
-            "wall_s": decoder.stats.wall_s, "kernels": target.kernel_names, "roofline": None,
-            "roofline_fraction": None, "speculative": {**decoder.stats.to_json(), "net_speedup": speedup},
-            "model_bytes": 0, "kv_cache_bytes": target.kv_cache_bytes + drafter.kv_cache_bytes}
+        write_json(json_path, result.to_json())
 
 
 def _ms(seconds: float | None) -> str:

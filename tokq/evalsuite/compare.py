@@ -47,7 +47,9 @@ KL_TAIL_METRICS = {"kl_p90", "kl_p95", "kl_p99", "kl_p999"}
 
 
 @dataclass
-class CompareSettings:
+class ScoringPlan:
+    """The compare settings resolved for one run (stride, depths, dtype, KV budget decided): what scoring uses."""
+
     window: int = 2048
     stride: int | None = None
     max_tokens: int | None = None
@@ -91,7 +93,7 @@ def decode_sample(windows: list[TokenWindow], count: int, decode_tokens: int) ->
     return [replace(w, score_from=max(w.score_from, decode_from)) for w in chosen], decode_from
 
 
-def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str], settings: CompareSettings,
+def run_compare(a: ModelRun, b: ModelRun, windows: WindowSet, doc_ids: list[str], settings: ScoringPlan,
                 probe_documents=None, progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict:
     """Everything `tokq compare` reports, as a JSON-ready dict (the source of truth)."""
     s = settings
@@ -202,7 +204,7 @@ def finite_rules(result: dict) -> list[dict]:
     return rows
 
 
-def _aggregate(metrics: TokenMetrics, doc_ids: list[str], s: CompareSettings) -> dict:
+def _aggregate(metrics: TokenMetrics, doc_ids: list[str], s: ScoringPlan) -> dict:
     if metrics.tokens == 0:
         raise DataError("no token was scored: the documents give no window with a token to predict")
     return aggregate(metrics.as_dict(), metrics.doc_index, metrics.position, doc_ids, s.window, resamples=s.resamples,
@@ -262,7 +264,7 @@ def _kl_method(est: dict) -> str:
 
 
 def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefill: list[BaselineWindow],
-           ddoc_index: list[int], decode_from: int, s: CompareSettings) -> dict | None:
+           ddoc_index: list[int], decode_from: int, s: ScoringPlan) -> dict | None:
     """A's decode path against A's prefill path on the decode sample: the kernels' own noise."""
     if not dwins:
         return None
@@ -278,7 +280,7 @@ def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefi
             "what": "A's decode path vs A's prefill path on the decode sample (kernel noise, not damage)"}
 
 
-def _probes(engine, tokenizer, documents, s: CompareSettings) -> list[dict] | None:
+def _probes(engine, tokenizer, documents, s: ScoringPlan) -> list[dict] | None:
     from tokq.engine.tokenizer import model_adds_bos
     from tokq.longctx.probes import build_probes, probe_grid, run_probes
 
@@ -393,7 +395,7 @@ def _interval(est) -> dict:
             for key, x in (("value", est.value), ("low", est.low), ("high", est.high))}
 
 
-def _settings_json(s: CompareSettings) -> dict:
+def _settings_json(s: ScoringPlan) -> dict:
     out = asdict(s)
     out["thresholds"] = {k: {str(b): v for b, v in per.items()} for k, per in s.thresholds.items()}
     return out

@@ -30,7 +30,7 @@ NEEDS_CALIBRATION = {"awq", "gptq", "smoothquant"}
 
 
 @dataclass
-class QuantizeResult:
+class MethodRun:
     method: str
     scheme: QuantScheme
     options: MethodOptions
@@ -126,7 +126,7 @@ def quantize_model(
     options: MethodOptions | None = None,
     on_block: Callable[[int], None] | None = None,
     batch_size: int = 8,
-) -> QuantizeResult:
+) -> MethodRun:
     scheme = preset(scheme or DEFAULT_SCHEMES.get(method, "w4a16")) if not isinstance(scheme, QuantScheme) else scheme
     check_method_scheme(method, scheme)
     options = options or MethodOptions()
@@ -147,7 +147,7 @@ def quantize_model(
     else:
         BlockwiseRunner(model, calibration, batch_size).run(quantize_block, on_block)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return QuantizeResult(method, scheme, options, calibration.to_json() if calibration else None,
+    return MethodRun(method, scheme, options, calibration.to_json() if calibration else None,
                           time.perf_counter() - started, peak, stats)
 
 

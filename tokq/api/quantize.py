@@ -1,0 +1,206 @@
+"""`tokq.quantize`: quantize a model with a method and write a compressed-tensors checkpoint.
+
+Order of work: every cheap check first (method/scheme fit, group size against the model's layer sizes, the
+output folder, the calibration folder), then load the model, draw calibration windows, quantize block by block
+with progress, write the checkpoint atomically (an interrupted run leaves no folder that looks complete) and
+optionally record it as a tokq.toml variant. The gate builds a variant from its recipe by calling this function
+with the recipe's keys (QuantizeSettings) and the recipe's hash, which tokq_quantization.json records.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from tokq import __version__
+from tokq.api.settings import QuantizeSettings, settings_from
+from tokq.errors import ConfigError
+
+console = Console(stderr=True)
+
+
+@dataclass
+class QuantizeResult:
+    """What a quantization wrote and measured; `to_json()` is the `tokq quantize --json` record."""
+
+    model: str
+    checkpoint: Path  # the quantized checkpoint written
+    source_checkpoint: Path
+    scheme: str
+    run: object  # quantize.pipeline.MethodRun: per-block statistics, options, calibration
+    seconds: float
+    write_seconds: float
+    peak_rss_mib: float
+    size_bytes: int
+    dense_16bit_bytes: int
+    peak_gpu_bytes: int | None
+    provenance: dict
+    variant: str | None = None  # recorded in tokq.toml under this name
+    recorded_in: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"tokq_version": __version__, "command": "quantize", "model": self.model,
+                "checkpoint": str(self.source_checkpoint), "out": str(self.checkpoint), "variant": self.variant,
+                "size_bytes": self.size_bytes, "dense_16bit_bytes": self.dense_16bit_bytes,
+                "write_seconds": self.write_seconds, "peak_gpu_bytes": self.peak_gpu_bytes, **self.provenance}
+
+
+def parse_alpha(alpha: str | float | None, method: str) -> tuple[bool, float | None]:
+    """(given, value): alpha is a number in [0, 1] or 'search' (value None); SmoothQuant's, or fp8's optional
+    migration before FP8 W8A8."""
+    if alpha is None:
+        return False, None
+    if method not in ("smoothquant", "fp8"):
+        raise ConfigError(f"--alpha is SmoothQuant's migration strength; it does not apply to --method {method}")
+    if alpha == "search":
+        return True, None
+    try:
+        value = float(alpha)
+    except ValueError:
+        raise ConfigError(f"--alpha {alpha!r}: give a number in [0, 1] (e.g. 0.5) or 'search'") from None
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"--alpha {value} is outside [0, 1]: 0 keeps activations as they are, 1 moves all scale "
+                          "to weights")
+    return True, value
+
+
+def quantize(model: str | Path, *, method: str, out: str | Path, scheme: str | None = None,
+             calib: str | Path | None = None, force: bool = False, name: str | None = None,
+             recipe_sha256: str | None = None, threads: int | None = None, device: str = "auto",
+             **options) -> QuantizeResult:
+    """Quantize `model` (zoo name, checkpoint folder or tokq.toml variant) with `method` into `out`.
+
+    `options` are QuantizeSettings fields (bits, group_size, sym, act_order, damp, alpha, num_samples, seq_len,
+    max_doc_mb, max_file_mb, save_dtype, seed). `name` records the checkpoint as a tokq.toml variant; `force`
+    replaces `out` only if it is a checkpoint tokq wrote.
+    """
+    settings = settings_from(QuantizeSettings, {"method": method, "scheme": scheme,
+                                                "calib": Path(calib) if calib is not None else None, **options},
+                             "tokq.quantize")
+    return run_quantize(str(model), Path(out), settings, force=force, name=name, recipe_sha256=recipe_sha256,
+                        threads=threads, device=device)
+
+
+def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = False, name: str | None = None,
+                 recipe_sha256: str | None = None, threads: int | None = None, device: str = "auto") -> QuantizeResult:
+    """`quantize` on a settings object (the CLI and the gate build one); prints progress and notes only."""
+    from tokq.project import check_recordable, check_variant_name, record_variant, variants_file
+    from tokq.engine.checkpoint import load_model, parse_dtype
+    from tokq.engine.config import read_config
+    from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.errors import DataError
+    from tokq.longctx.documents import read_limits
+    from tokq.outputs import CHECKPOINT, check_replaceable, output_lock
+    from tokq.paths import data_dir
+    from tokq.quantize.calibration import calibration_samples
+    from tokq.quantize.formats.compressed_tensors import save_quantized
+    from tokq.quantize.methods.options import MethodOptions
+    from tokq.quantize.pipeline import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
+    from tokq.runtime import setup_runtime
+    from tokq.zoo import resolve_model
+
+    method = s.method
+    if method not in METHODS:
+        raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")
+    if s.act_order is not None and method != "gptq":
+        raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
+    alpha_given, alpha_value = parse_alpha(s.alpha, method)
+    limits = read_limits(s.max_doc_mb, s.max_file_mb)
+    if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
+        raise ConfigError(f"--recipe-sha256 {recipe_sha256!r} is not a sha256 (64 lowercase hex digits)")
+    if name is not None:  # the tokq.toml edit is checked now, not once the quantization is done
+        check_variant_name(name)
+        check_recordable(variants_file())
+    # The lock is held from before the checks on `out` until the checkpoint is written and recorded: a second
+    # quantization into the same folder fails here, before any work.
+    with output_lock(out):
+        if out.exists() and not force:
+            raise ConfigError(f"{out} already exists; choose another --out or pass --force to replace it")
+        check_replaceable(out, CHECKPOINT)  # --force replaces only a checkpoint tokq wrote, nothing added since
+        runtime = setup_runtime(threads, device, s.seed)
+        checkpoint = resolve_model(model)
+        config = read_config(checkpoint)
+        resolved, notes = resolve_scheme(method, config, s.scheme, s.bits, s.group_size, s.sym)
+        for note in notes:
+            console.print(f"[yellow]note:[/] {note}")
+        dtype = None if s.save_dtype == "auto" else parse_dtype(s.save_dtype)
+        calibration = None
+        # fp8 with alpha: SmoothQuant's migration first, then the same FP8 quantization of weights and activations.
+        run_method = "smoothquant" if method == "fp8" and alpha_given else method
+        if run_method != method and resolved.activations is None:
+            raise ConfigError(f"--alpha smooths activation outliers before FP8 W8A8; scheme {resolved.name} keeps "
+                              "activations in 16-bit, so there is nothing to smooth")
+        calib = s.calib
+        if run_method in NEEDS_CALIBRATION:
+            if calib is None:
+                calib = data_dir() / "default"
+                if not calib.is_dir():
+                    raise DataError(f"the default document set {calib} is not built yet: run `tokq data "
+                                    "build-default` or pass --calib DIR")
+            tokenizer = load_tokenizer(checkpoint)
+            if s.seq_len > config.max_position_embeddings:
+                raise DataError(f"--seq-len {s.seq_len} exceeds the context of {model} "
+                                f"({config.max_position_embeddings} tokens)")
+            calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), s.num_samples,
+                                              s.seq_len, s.seed, limits)
+        elif calib is not None:
+            console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
+
+        options = MethodOptions(damp=s.damp)
+        if s.act_order is not None:
+            options.act_order = s.act_order
+        if alpha_given:
+            options.alpha = alpha_value
+        # Methods search and quantize in fp32 (bf16 matmuls on CPU are slow and less exact).
+        lm = load_model(checkpoint, dtype="fp32", device=runtime.device)
+        dense_bytes = 2 * sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values())
+        blocks = len(lm.model.layers)
+        calib_desc = (f"{calibration.num_samples} x {calibration.seq_len} tokens from {calibration.source}"
+                      if calibration else "none")
+        console.print(f"quantizing {model} with {method} ({resolved.name}); calibration: {calib_desc}; "
+                      f"{runtime.device}, {runtime.threads} threads")
+        columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("blocks", total=blocks)
+            run = quantize_model(lm, run_method, resolved, calibration, options,
+                                 on_block=lambda _i: progress.advance(task))
+        started_save = time.perf_counter()
+        provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
+                      "result": run.to_json(), "runtime": runtime.to_json()}
+        if recipe_sha256 is not None:
+            provenance["recipe_sha256"] = recipe_sha256  # in tokq_quantization.json, inside the atomic write
+        save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
+        save_seconds = time.perf_counter() - started_save
+        peak_gpu = None
+        if str(runtime.device).startswith("cuda"):
+            import torch
+
+            peak_gpu = torch.cuda.max_memory_allocated(runtime.device)
+        result = QuantizeResult(model=model, checkpoint=out, source_checkpoint=checkpoint, scheme=resolved.name,
+                                run=run, seconds=run.seconds, write_seconds=save_seconds,
+                                peak_rss_mib=run.peak_rss_mib, size_bytes=_dir_bytes(out),
+                                dense_16bit_bytes=dense_bytes, peak_gpu_bytes=peak_gpu, provenance=provenance,
+                                notes=notes)
+        if name is not None:
+            # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
+            result.variant, result.recorded_in = name, record_variant(name, out, {})
+        return result
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
