@@ -1,5 +1,8 @@
 """The `tokq` command line. Every command: --help, --json PATH, --threads, --device, --seed; `tokq --debug`.
 
+The commands (tokq.commands.*) parse options, call the Python API (tokq.api) and print; this module wires them
+into one typer app and turns exceptions into exit codes.
+
 Exit codes (tokq.errors): 0 ok, 1 a check failed (a regression), 2 bad usage or input, 3 inconclusive (the
 data could not decide: rerun or lengthen the run, never a pass), 4 internal error, 130 interrupted. Errors
 the user can fix print one line, `error: <what and how to fix>`, with no traceback. Any other exception is
@@ -59,7 +62,7 @@ app.command("gate")(gate_cmd)
 
 @dataclass
 class _Session:
-    debug: bool = False  # set by `tokq --debug`; kept across the nested main() a gate runs to build a variant
+    debug: bool = False  # set by `tokq --debug` for one main() call (tests call main() many times)
 
 
 _session = _Session()
