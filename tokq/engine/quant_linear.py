@@ -3,11 +3,12 @@
 `quantize_linear_(layer, weight, act)` turns a dense `Linear` into a quantized one in place: the
 dense weight is dropped, the quantized tensors live in a `QuantizedLinearMethod` submodule (so
 `.to(device)` and `state_dict()` see them), and `forward` computes through a kernel. The kernel
-registry (`kernels.registry`) picks that kernel once, when the method is created: the fastest one
-that can run the scheme, shape, device and activation dtype here (`TOKQ_KERNELS` forces or disables
-kernels by name), and builds its packed form. The codes/scales/zero buffers stay the layer's
-canonical form (checkpoint writers and the reference read them); the packed form is rebuilt from
-them when the module moves (`.to(...)`), or by calling `prepare()` after changing them in place.
+registry (`kernels.registry`) picks that kernel once, when the method is created: the first of
+`kernels.linear.LINEAR_KERNELS` (fastest first) that can run the scheme, shape, device and activation
+dtype here (`TOKQ_KERNELS` forces or disables kernels by name), and builds its packed form. The
+codes/scales/zero buffers stay the layer's canonical form (checkpoint writers and the reference read
+them); the packed form is rebuilt from them when the module moves (`.to(...)`), or by calling
+`prepare()` after changing them in place.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from torch import nn
 
 from tokq.engine.layers import Linear
 from tokq.errors import ConfigError
+from tokq.kernels.linear import PreparedKernel
 from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
-from tokq.kernels.registry import KernelError, PreparedKernel, prepare_linear_kernel
+from tokq.kernels.registry import KernelError, prepare_linear_kernel
 
 
 class QuantizedLinearMethod(nn.Module):

@@ -14,20 +14,20 @@ the cache it writes is the cache it reads:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tokq.dtypes import FLOAT_DTYPES, dtype_name
+
 from .cpu.attention import paged_attention_cpu, write_kv_cpu
 from .paged import (
-    FLOAT_DTYPES,
     KV_DTYPES,
-    dtype_name,
     paged_attention_reference,
     write_kv_reference,
 )
+from .triton import TritonFunction
 from .triton import unavailable_reason as triton_unavailable
 
 TRITON_MAX_HEAD_DIM = 256  # kernels/triton/paged_attention.py MAX_HEAD_DIM (not imported: triton is optional)
@@ -91,18 +91,6 @@ class PreparedAttention:
     reason: str = ""
 
 
-class _LazyTriton:
-    """kernels/triton/paged_attention.py's function, imported on first call (triton is optional, slow to import)."""
-
-    def __init__(self, attr: str):
-        self.attr, self.fn = attr, None
-
-    def __call__(self, *args, **kwargs):
-        if self.fn is None:
-            self.fn = getattr(importlib.import_module(".triton.paged_attention", __package__), self.attr)
-        return self.fn(*args, **kwargs)
-
-
 def _triton_supports(p: AttentionProblem) -> tuple[bool, str]:
     why = triton_unavailable(p.device)
     if why:
@@ -126,8 +114,8 @@ def _always(p: AttentionProblem) -> tuple[bool, str]:
 
 
 ATTENTION_KERNELS: list[AttentionCandidate] = [
-    AttentionCandidate("triton_paged", _triton_supports, _LazyTriton("write_kv_triton"),
-                       _LazyTriton("paged_attention_triton"),
+    AttentionCandidate("triton_paged", _triton_supports, TritonFunction("paged_attention", "write_kv_triton"),
+                       TritonFunction("paged_attention", "paged_attention_triton"),
                        "paged attention in Triton: KV write, split-K decode + merge, chunked prefill; int8/fp8 KV"),
     AttentionCandidate("cpu_paged_sdpa", _cpu_supports, write_kv_cpu, paged_attention_cpu,
                        "paged attention on CPU: index_copy_ KV write, gather + SDPA (batched decode)"),

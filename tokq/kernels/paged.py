@@ -1,5 +1,7 @@
 """The paged KV cache contract shared by every attention path, and its reference (the oracle).
 
+Over 400 lines: the contract, its checks, quantized KV and the oracle: one spec every path is tested on.
+
 Cache (one pair per layer)
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]. Token slot `s` is block
     `s // block_size`, offset `s % block_size`. Any block size >= 1 works on every path (the Triton
@@ -44,17 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tokq.dtypes import FLOAT_DTYPES, dtype_name, kv_dtype_of
+
 FP8_E4M3_MAX = 448.0
 INT8_KV_MAX = 127.0
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 KV_DTYPES = FLOAT_DTYPES + QUANT_KV_DTYPES
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
-                torch.float8_e4m3fn: "fp8_e4m3fn", torch.int32: "int32", torch.int64: "int64"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -342,19 +339,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # Layouts for tests and benchmarks ------------------------------------------------------------------------
-
-_KV_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8,
-                   "fp8": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn}
-
-
-def kv_dtype_of(name: str | torch.dtype) -> torch.dtype:
-    """A KV cache dtype from a torch dtype or a name (fp32, fp16, bf16, int8, fp8)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _KV_DTYPE_NAMES:
-        raise ValueError(f"KV cache dtype {name!r} is not known ({', '.join(_KV_DTYPE_NAMES)})")
-    return _KV_DTYPE_NAMES[name]
-
 
 @dataclass(frozen=True)
 class PagedLayout:

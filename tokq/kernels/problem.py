@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tokq.dtypes import DTYPE_NAMES
+
 from .reference import FP8Weight, IntWeight, QuantizedWeight
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+WEIGHT_FORMATS = ("int", "fp8")  # LinearProblem.fmt: IntWeight, FP8Weight
+ACT_SCHEMES = (None, "int8", "fp8")  # LinearProblem.act: weight-only, W8A8 int8, W8A8 fp8
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The kernel registry: which kernel runs a quantized linear layer, or a paged-attention layer, here.
 
-Candidates are listed in priority order (fastest first), one list per kind: `LINEAR_KERNELS` and
-`ATTENTION_KERNELS` (kernels/attention.py). For one layer (a `LinearProblem`: device, weight format and
-scheme, shape, activation dtype; or an `AttentionProblem`: heads, head dim, dtypes, KV cache, window)
-the registry walks its kind's list and takes the first whose `supports` says yes; the oracle
+Candidates are kernel objects listed in priority order (fastest first), one list per kind:
+`LINEAR_KERNELS` (kernels/linear.py) and `ATTENTION_KERNELS` (kernels/attention.py). For one layer (a
+`LinearProblem`: device, weight format and scheme, shape, activation dtype; or an `AttentionProblem`:
+heads, head dim, dtypes, KV cache, window) the registry walks its kind's list and takes the first
+whose `verdict` says yes; each candidate that says no gives its reason (`explain`); the oracle
 (`reference`, `paged_reference`) runs everything, so it is last. The chosen linear kernel's `prepare`
 runs once, when the layer is loaded or quantized, and the layer keeps the `PreparedKernel` (packed
 weights and the function that runs them); an attention layer keeps a `PreparedAttention`.
@@ -21,60 +22,20 @@ and the fast CPU paths are meant for the bf16 model that is served.
 
 from __future__ import annotations
 
-import importlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from . import cpu
+from . import ENV
 from .attention import ATTENTION_KERNELS, AttentionCandidate, AttentionProblem, PreparedAttention
-from .problem import DTYPE_NAMES, LinearProblem
-from .reference import QuantizedWeight, linear_reference
-from .triton import unavailable_reason as triton_unavailable
-
-ENV = "TOKQ_KERNELS"
-
-RunFn = Callable[[torch.Tensor, Any, torch.Tensor | None, str | None], torch.Tensor]
+from .linear import LINEAR_KERNELS, LinearCandidate, PreparedKernel
+from .problem import LinearProblem
+from .reference import QuantizedWeight
 
 
 class KernelError(ValueError):
     """A kernel selection that cannot work (unknown name, forced kernel that cannot run the layer)."""
-
-
-@dataclass(frozen=True)
-class LinearCandidate:
-    name: str
-    supports: Callable[[LinearProblem], tuple[bool, str]]
-    prepare: Callable[[QuantizedWeight, LinearProblem], Any]  # once per layer: weight -> the kernel's state
-    run: RunFn  # per call: (x, state, bias, act) -> y in x's dtype
-    summary: str
-    # The dtype the kernel computes in whatever x's is (None: x's own). A kernel that would compute
-    # below the layer's precision (bf16 for an fp32 model) is only used when TOKQ_KERNELS forces it.
-    compute_dtype: torch.dtype | None = None
-
-    def verdict(self, problem: LinearProblem, forced: bool = False) -> tuple[bool, str]:
-        ok, reason = self.supports(problem)
-        if ok and self.compute_dtype not in (None, problem.dtype) and not forced:
-            have, want = DTYPE_NAMES.get(problem.dtype, problem.dtype), DTYPE_NAMES[self.compute_dtype]
-            return False, (f"computes in {want}, below the layer's {have} activations; load the model in {want} "
-                           f"or force it with {ENV}={self.name}")
-        return ok, reason
-
-
-@dataclass
-class PreparedKernel:
-    """A layer's kernel, ready to run: its name, the function, and the packed weight it reads."""
-
-    name: str
-    run: RunFn
-    state: Any
-    reason: str = ""
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, act: str | None) -> torch.Tensor:
-        return self.run(x, self.state, bias, act)
 
 
 @dataclass(frozen=True)
@@ -86,55 +47,6 @@ class Verdict:
     reason: str
 
 
-class _Lazy:
-    """A function of a Triton module, imported on first use (triton is optional and slow to import)."""
-
-    def __init__(self, module: str, attr: str):
-        self.module, self.attr, self.fn = module, attr, None
-
-    def __call__(self, *args):
-        if self.fn is None:
-            self.fn = getattr(importlib.import_module(f".triton.{self.module}", __package__), self.attr)
-        return self.fn(*args)
-
-
-def _triton_supports(module: str, attr: str) -> Callable[[LinearProblem], tuple[bool, str]]:
-    check = _Lazy(module, attr)
-
-    def supports(p: LinearProblem) -> tuple[bool, str]:
-        why = triton_unavailable(p.device)
-        return (False, why) if why else check(p)
-
-    return supports
-
-
-def _triton(name: str, module: str, kernel: str, summary: str) -> LinearCandidate:
-    """A Triton candidate whose module provides `<kernel>_supports`, `prepare_<kernel>`, `run_<kernel>`."""
-    return LinearCandidate(name, _triton_supports(module, f"{kernel}_supports"), _Lazy(module, f"prepare_{kernel}"),
-                           _Lazy(module, f"run_{kernel}"), summary)
-
-
-def _always(p: LinearProblem) -> tuple[bool, str]:
-    return True, "dequantizes the whole weight to fp32 on every call (the oracle)"
-
-
-LINEAR_KERNELS: list[LinearCandidate] = [
-    _triton("triton_w4a16", "w4a16", "w4a16",
-            "int4/int8 weight-only: Triton GEMM with the dequantization fused into the K loop, split-K for small M"),
-    _triton("triton_w8a8_int8", "w8a8", "w8a8_int8",
-            "W8A8 int8: per-token activation quantization kernel, int8 tl.dot, scale (+ bias) epilogue"),
-    _triton("triton_fp8", "fp8", "fp8", "fp8 e4m3 W8A8 (per-token x per-channel scales) or fp8 weight-only, Triton"),
-    LinearCandidate("cpu_int4", cpu.int4pack_supports, cpu.prepare_int4pack, cpu.run_int4pack,
-                    "int4 weight-only: aten._weight_int4pack_mm_for_cpu, bf16 compute", torch.bfloat16),
-    LinearCandidate("cpu_int8", cpu.int8pack_supports, cpu.prepare_int8pack, cpu.run_int8pack,
-                    "int8 weight-only per-channel: aten._weight_int8pack_mm, bf16 compute", torch.bfloat16),
-    LinearCandidate("cpu_w8a8_int8", cpu.w8a8_supports, cpu.prepare_w8a8, cpu.run_w8a8,
-                    "W8A8 int8: per-token int8 activations, torch._int_mm, fp32 epilogue"),
-    LinearCandidate("cpu_fp8_dequant", cpu.dequant_dense_supports, cpu.prepare_dequant_dense, cpu.run_dequant_dense,
-                    "fp8: dequantized once to a dense weight, F.linear"),
-    LinearCandidate("reference", _always, lambda weight, p: weight, linear_reference,
-                    "dequantize to fp32, then matmul (the oracle)"),
-]
 KERNELS_BY_NAME = {c.name: c for c in LINEAR_KERNELS}
 ATTENTION_BY_NAME = {c.name: c for c in ATTENTION_KERNELS}
 ALL_KERNEL_NAMES = (*KERNELS_BY_NAME, *ATTENTION_BY_NAME)
@@ -177,9 +89,8 @@ class Selection:
         names = {c.name for c in candidates}
         return tuple(n for n in self.forced if n in names)
 
-    def order(self, candidates: list[Candidate] | None = None) -> list[Candidate]:
+    def order(self, candidates: list[Candidate]) -> list[Candidate]:
         """The candidates to try, in order: the forced ones of this kind, else all by priority; minus disabled."""
-        candidates = LINEAR_KERNELS if candidates is None else candidates
         by_name = {c.name: c for c in candidates}
         names = self.forced_among(candidates) or tuple(by_name)
         return [by_name[n] for n in names if n not in self.disabled]

@@ -10,7 +10,8 @@
   cutting it, else an explicit boolean mask with the causal offset. Decode queries are batched (below).
   Which keys each query sees, the decode groups and the masks depend only on the metadata and the
   window: that plan is built once per metadata object (once per engine step) and reused by every
-  layer, which took a batch-1 decode call from 141 to 87 us (SmolLM2 heads, 600 tokens, bf16).
+  layer (a batch-1 decode call: 87 us with the plan reused, 141 us building it per layer; SmolLM2
+  heads, 600 tokens, bf16).
 
 Decode batching, measured (2-core AVX2 CPU shared with other jobs, 1 thread, torch 2.13, bf16, block 16,
 one decode step of B sequences with context lengths drawn from [lo, hi), median of 30 calls, ms per
@@ -25,12 +26,12 @@ padded with block 0) and one SDPA call with a position mask):
                        64 x 100-150          4.03          2.16        2.00    1.98    1.97
     4/1 x 256 (Gemma3) 16 x 256-500          1.84          1.82        1.74    1.69    1.70
 
-Whole-block gathers beat the token-level gather an earlier version batched with (equal lengths only,
-2 MiB: 1.9 ms for 16 x 256-500), and batching pays most for many short sequences; past ~4 MiB per
-call the fresh buffers leave the cache and it loses again, hence `DECODE_BATCH_BYTES` = 4 MiB.
-`flex_attention` was measured too and not kept: compiled
-(torch.compile, 3-20 s per new shape) on the same pre-gathered K/V it took 0.57 / 1.07 / 0.78 /
-1.44 ms where SDPA took 0.46 / 1.00 / 0.65 / 1.27 ms (SmolLM2 8x512, 32x256; Gemma-3 8x512, 32x256).
+Whole-block gathers beat a token-level gather of the same groups (equal lengths only, 2 MiB: 1.9 ms
+for 16 x 256-500), and batching pays most for many short sequences; past ~4 MiB per call the fresh
+buffers leave the cache and it loses again, hence `DECODE_BATCH_BYTES` = 4 MiB. `flex_attention` is
+slower: compiled (torch.compile, 3-20 s per new shape) on the same pre-gathered K/V it takes 0.57 /
+1.07 / 0.78 / 1.44 ms where SDPA takes 0.46 / 1.00 / 0.65 / 1.27 ms (SmolLM2 8x512, 32x256; Gemma-3
+8x512, 32x256).
 """
 
 from __future__ import annotations

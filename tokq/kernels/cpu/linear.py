@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokq.dtypes import FLOAT_DTYPES
+
 from ..problem import LinearProblem
 from ..reference import IntWeight, QuantizedWeight, fake_quantize_activations, quantize_per_token_int8
 
@@ -48,7 +50,6 @@ INT4PACK_INNER_K_TILES = 2  # ignored by the CPU packing (its layout is fixed), 
 INT4PACK_MAX_M = 32
 INT8PACK_K_MULTIPLE = 16
 INT_MM_MAX_K = 1 << 16  # |x_q| <= 128, |q| <= 128: K * 2^14 must stay below 2^31 in the int32 accumulator
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 Support = tuple[bool, str]
 

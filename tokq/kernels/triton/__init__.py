@@ -1,7 +1,9 @@
 """Triton kernels for CUDA GPUs: w4a16 dequant-fused GEMM, W8A8 int8 and fp8 GEMMs, paged attention.
 
 Each module is importable without a GPU (Triton's CPU interpreter, `TRITON_INTERPRET=1`, runs the
-same kernels in tests); the registry only offers these kernels for layers on a CUDA device.
+same kernels in tests) but not without triton; the registry only offers these kernels for layers on
+a CUDA device when triton is installed, and reaches them through `TritonFunction`, which imports a
+module on first call. This file itself imports no triton.
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ def autotune_enabled() -> bool:
     config (GPU tests and quick checks skip the tuning's compile time; results are the same, only speed
     differs)."""
     return not interpreting() and os.environ.get(AUTOTUNE_ENV, "1") != "0"
+
+
+class TritonFunction:
+    """One function of a module of this package, imported on first call (triton is optional and slow to import)."""
+
+    def __init__(self, module: str, attr: str):
+        self.module, self.attr, self._fn = module, attr, None
+
+    def __call__(self, *args, **kwargs):
+        if self._fn is None:
+            self._fn = getattr(importlib.import_module(f".{self.module}", __name__), self.attr)
+        return self._fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"TritonFunction({self.module}.{self.attr})"
 
 
 def unavailable_reason(device: str) -> str | None:

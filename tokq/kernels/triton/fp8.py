@@ -1,8 +1,8 @@
 """fp8 e4m3 GEMMs on CUDA GPUs (Triton; compute capability >= 8.9: Ada, Hopper): W8A8 fp8 and fp8 weight-only.
 
 Weights are `FP8Weight`: codes float8_e4m3fn [N, K] (K contiguous, kept as they are: no copy) and one fp32 scale
-per output channel. As in the int8 GEMM (w8a8.py), the kernel reads the B tile [BLOCK_K, BLOCK_N] from [N, K]
-through strides: B = W^T column-major, "K-major", the order Hopper's wgmma takes 8-bit operands in.
+per output channel, read as the K-major B tile like the int8 GEMM's. Tile configs, M buckets, autotuning and launch
+checks: gemm_common.py (W8A8 takes the 1-byte operand tiles; weight-only has its own, half as deep in K).
 
 - W8A8 (act "fp8"): `_quantize_fp8_kernel`, one program per row of x [M, K] -> values [M, K] (fp8 e4m3,
   contiguous) and scale fp32 [M, 1], exactly `reference.quantize_per_token_fp8`: s = max(max|x|, 1e-12) / 448
@@ -32,17 +32,20 @@ import triton.language as tl
 
 from ..problem import LinearProblem
 from ..reference import FP8_E4M3_MAX, FP8Weight
-from .w8a8 import (
+from .gemm_common import (
     FLOAT_DTYPES,
+    ONE_BYTE_CONFIGS,
     GemmConfig,
+    TunedGemm,
     as_rows,
     check_activations,
-    check_bias,
-    check_device,
     cuda_reason,
+    gemm_output,
     grouped_tile,
-    launch_gemm,
-    quant_block_k,
+    quantizer_input,
+    row_launch,
+    row_scale,
+    store_tile,
 )
 
 Support = tuple[bool, str]
@@ -62,12 +65,7 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
     offs = tl.arange(0, BLOCK_K)
-
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX)
+    scale = row_scale(x_row, K, 1e-12, FP8_MAX, BLOCK_K)
 
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + offs < K
@@ -82,23 +80,15 @@ def quantize_per_token_fp8_triton(x2d: torch.Tensor, out_dtype: torch.dtype = FP
     """Dynamic fp8 e4m3 per row, as `reference.quantize_per_token_fp8`: x [M, K] (fp16/bf16/fp32) ->
     (values [M, K] in `out_dtype`, scale fp32 [M, 1]). `out_dtype` fp32 gives the clamped x / s before the fp8
     rounding (how the interpreter checks the kernel); `block_k` (power of two) is the K chunk per loop step."""
-    if x2d.dim() != 2:
-        raise ValueError(f"quantize_per_token_fp8_triton takes x as [M, K], got shape {tuple(x2d.shape)}")
-    if x2d.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"quantize_per_token_fp8_triton: x of {x2d.dtype} is not supported (fp16, bf16, fp32)")
     if out_dtype not in (FP8, *FLOAT_DTYPES):
         raise ValueError(f"quantize_per_token_fp8_triton: out_dtype {out_dtype} is not supported "
                          "(float8_e4m3fn; fp16/bf16/fp32 for checks)")
-    check_device(x2d, "quantize_per_token_fp8_triton")
+    x2d = quantizer_input(x2d, "quantize_per_token_fp8_triton")
     m, k = x2d.shape
-    x2d = x2d if x2d.stride(-1) == 1 or k <= 1 else x2d.contiguous()
     values = torch.empty(m, k, dtype=out_dtype, device=x2d.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x2d.device)
-    if m == 0:
-        return values, scale
-    bk = quant_block_k(k, block_k)
-    _quantize_fp8_kernel[(m,)](x2d, values, scale, k, x2d.stride(0), values.stride(0), BLOCK_K=bk,
-                               num_warps=4 if bk >= 1024 else 1)
+    if m:
+        _quantize_fp8_kernel[(m,)](x2d, values, scale, k, x2d.stride(0), values.stride(0), **row_launch(k, block_k))
     return values, scale
 
 
@@ -140,21 +130,11 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, y_ptr, sx_ptr, sw_ptr, bias_ptr, M, N, K, str
     y = acc * tl.load(sw_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_X_SCALE:
         y = y * tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(y, y_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
 
 # W8A8: both operands 1 byte, the int8 GEMM's tiles. Weight-only: x tiles are 2 bytes, so half the K depth.
-FP8_CONFIGS: dict[int, list[GemmConfig]] = {
-    16: [GemmConfig(16, 64, 256, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 128, 256, 1, 4, 3),
-         GemmConfig(16, 256, 128, 1, 8, 3), GemmConfig(16, 64, 128, 1, 2, 5)],
-    128: [GemmConfig(32, 128, 128, 8, 4, 4), GemmConfig(64, 128, 128, 8, 4, 4), GemmConfig(64, 64, 256, 8, 4, 3),
-          GemmConfig(128, 128, 128, 8, 8, 3), GemmConfig(64, 256, 128, 8, 8, 3)],
-    0: [GemmConfig(128, 128, 128, 8, 8, 3), GemmConfig(128, 256, 128, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4),
-        GemmConfig(64, 256, 128, 8, 8, 3), GemmConfig(256, 128, 128, 8, 8, 3)],
-}
+FP8_CONFIGS = ONE_BYTE_CONFIGS
 WEIGHT_ONLY_CONFIGS: dict[int, list[GemmConfig]] = {
     16: [GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 3), GemmConfig(16, 64, 256, 1, 4, 3),
          GemmConfig(16, 256, 64, 1, 4, 4), GemmConfig(16, 32, 128, 1, 2, 5)],
@@ -165,13 +145,8 @@ WEIGHT_ONLY_CONFIGS: dict[int, list[GemmConfig]] = {
 }
 
 
-def _tuners(configs: dict[int, list[GemmConfig]]) -> dict:
-    return {bucket: triton.autotune([c.triton_config() for c in cs], key=["N", "K"])(_fp8_gemm_kernel)
-            for bucket, cs in configs.items()}
-
-
-_FP8_TUNED = _tuners(FP8_CONFIGS)
-_WEIGHT_ONLY_TUNED = _tuners(WEIGHT_ONLY_CONFIGS)
+_FP8_GEMM = TunedGemm(_fp8_gemm_kernel, FP8_CONFIGS)
+_WEIGHT_ONLY_GEMM = TunedGemm(_fp8_gemm_kernel, WEIGHT_ONLY_CONFIGS)
 
 
 @dataclass
@@ -253,18 +228,10 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, state: FP8State, b
         raise ValueError(f"fp8_matmul (W8A8): x of {x.dtype} and weight codes of {state.q.dtype} must both be "
                          "float8_e4m3fn (or both fp16/fp32 holding e4m3 values, for checks)")
     out_dtype = out_dtype or (x.dtype if weight_only else torch.float32)
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"fp8_matmul: out_dtype {out_dtype} is not supported (fp16, bf16, fp32)")
-    check_device(x, "fp8_matmul")
-    if x.device != state.q.device:
-        raise ValueError(f"fp8_matmul: x is on {x.device} but the weight is on {state.q.device}")
-    if x_scale is not None and x_scale.numel() != x.shape[0]:
-        raise ValueError(f"fp8_matmul: x_scale must hold one scale per row ({x.shape[0]}), got {tuple(x_scale.shape)}")
-    check_bias(bias, state.n, x.device, "fp8_matmul")
     if x.stride(-1) != 1 and state.k > 1:
         x = x.contiguous()
+    y = gemm_output(x, state.q, x_scale, bias, state.n, out_dtype, "fp8_matmul")
     m = x.shape[0]
-    y = torch.empty(m, state.n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
     sx = state.scale if weight_only else x_scale.reshape(m).float().contiguous()
@@ -273,8 +240,7 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor | None, state: FP8State, b
     flags = {"HAS_X_SCALE": not weight_only, "CAST_W": state.q.dtype != x.dtype,
              "IEEE_DOT": x.dtype == torch.float32, "PROMOTE_ACC": not weight_only and not fast_accum,
              "HAS_BIAS": bias is not None}
-    launch_gemm(_WEIGHT_ONLY_TUNED if weight_only else _FP8_TUNED,
-                WEIGHT_ONLY_CONFIGS if weight_only else FP8_CONFIGS, _fp8_gemm_kernel, config, m, state.n, args, flags)
+    (_WEIGHT_ONLY_GEMM if weight_only else _FP8_GEMM).launch(config, m, state.n, args, flags)
     return y
 
 

@@ -1,5 +1,7 @@
 """Paged attention in Triton: KV write, decode (flash-decoding split + merge) and chunked prefill.
 
+Over 400 lines: its four kernels share the cache addressing, quantized-KV handling and launch policy.
+
 Contract and layouts: kernels/paged.py (k_cache/v_cache [num_blocks, block_size, Hkv, D], block
 tables, seq_lens, query_start_loc, slot_mapping, int8/fp8 KV with per-kv-head fp32 scales).
 
@@ -328,6 +330,7 @@ def _fixed_tiles(decode: bool) -> dict | None:
         return _FIXED_DECODE if decode else _FIXED_PREFILL
     return None
 
+
 _decode_tuned = triton.autotune(_DECODE_CONFIGS, key=["HEAD_DIM", "GROUP_PAD", "QUANT", "context_bucket"],
                                 prune_configs_by={"early_config_prune": _prune})(_decode_kernel)
 _prefill_tuned = triton.autotune(_PREFILL_CONFIGS, key=["HEAD_DIM", "GROUP", "QUANT", "query_bucket"],
@@ -347,8 +350,6 @@ def _check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head dim {k_cache.shape[-1]} is not supported by the Triton kernels "
                          f"(at most {MAX_HEAD_DIM})")
-
-
 
 
 def _multiprocessors(device: torch.device) -> int:

@@ -47,25 +47,16 @@ import functools
 from dataclasses import dataclass, replace
 
 import torch
+import triton
+import triton.language as tl
 
-from ..problem import DTYPE_NAMES, LinearProblem
+from tokq.dtypes import DTYPE_NAMES, FLOAT_DTYPES
+
+from ..problem import LinearProblem
 from ..reference import IntWeight
 from . import autotune_enabled, interpreting, unavailable_reason
 from .w4a16_layout import MAX_CODE_BITS, PackedIntWeight, field_bits, pack_int_weight
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # CPU-only install: w4a16_supports says why, and nothing here is launched
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
-
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_M = 16  # M buckets: <= 16 (decode, split-K), <= 128, larger
 MEDIUM_M = 128
 LARGE_BUCKET = 1024  # the autotune key value of every M > MEDIUM_M
@@ -77,7 +68,7 @@ MAX_INDEX = 2**31  # offsets inside the split-K buffer are int32
 # Kernels
 
 
-@_jit
+@triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, KW,
@@ -174,7 +165,7 @@ def _w4a16_kernel(
         tl.store(part_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
 
 
-@_jit
+@triton.jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N,
                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = sum over s of part[s, i] (+ bias[i % N]), in a fixed order, cast to out's dtype."""

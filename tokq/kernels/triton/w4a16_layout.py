@@ -4,7 +4,7 @@
 fp32 scales [N, G], optional signed zero points [N, G]; see kernels/reference.py) into the layout
 below, once per layer at load time. Checkpoints in other layouts (AutoAWQ GEMM, AutoGPTQ v1/v2
 including act-order g_idx, compressed-tensors pack-quantized) reach it through the engine's readers,
-which turn them into IntWeight first (engine/quant_checkpoint.py), so there is one packer.
+which turn them into IntWeight first (engine/quant_formats/), so there is one packer.
 
 Layout (N output features, K input features, G = K / group_size groups; FIELD = 4 for codes of at
 most 4 bits, 8 for codes of 5 to 8 bits; PACK = 32 // FIELD codes per word; KW = ceil(K / PACK)):
@@ -44,9 +44,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tokq.dtypes import FLOAT_DTYPES
+
 from ..reference import IntWeight
 
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCALE_DTYPES = FLOAT_DTYPES
 MAX_CODE_BITS = 8
 
 

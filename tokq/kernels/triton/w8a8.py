@@ -15,19 +15,15 @@ A call is two kernels:
    fp32: y = (acc - rowsum[m] * z[n]) * s_x[m] * s_w[n] (+ b[n]), stored in y's dtype (x's). The zero-point term is
    the exact integer form of sum_k x_q (q - z) for asymmetric weights.
 
-Weight layout: the IntWeight's own int8 codes [N, K], K contiguous (row-major), kept as they are (no copy, no
-transpose). `tl.dot` wants the B tile as [BLOCK_K, BLOCK_N]; the kernel reads it from [N, K] through strides
-(k stride 1, n stride K), i.e. B = W^T stored column-major ("K-major"). That is the operand order Hopper's wgmma
-takes for 8-bit types (both operands K-major), so the tile goes to shared memory without a transpose; a [K, N]
-copy would need one and would double the layer's weight memory.
+Weight layout: the IntWeight's own int8 codes [N, K], K contiguous, kept as they are (no copy, no transpose),
+read as the K-major B tile (gemm_common.py).
 
 Only per-channel weight scales ([N, 1]): a group-wise scale changes along K, so it cannot be applied after the
 int32 accumulation (it would need a float rescale per group inside the K loop); such layers go elsewhere.
 K is at most 2^16 so the int32 accumulator cannot overflow (|x_q| <= 128, |q - z| <= 255).
 
-Tile configs: three M buckets (<= 16 rows: decode; <= 128; larger: prefill), each its own `triton.autotune` keyed on
-(N, K) (Triton adds the tensors' dtypes to the key). Under the interpreter (`interpreting()`), one small fixed
-config and no autotuning. `int8_matmul(..., config=GemmConfig(...))` runs one given config (benchmarks).
+Tile configs, M buckets, autotuning and launch checks: gemm_common.py (the int8 GEMM takes the 1-byte operand
+tiles). `int8_matmul(..., config=GemmConfig(...))` runs one given config (benchmarks).
 """
 
 from __future__ import annotations
@@ -41,129 +37,29 @@ from triton.language.extra import libdevice
 
 from ..problem import LinearProblem
 from ..reference import IntWeight
-from . import autotune_enabled, interpreting, unavailable_reason
+from . import interpreting
+from .gemm_common import (
+    ONE_BYTE_CONFIGS,
+    GemmConfig,
+    TunedGemm,
+    as_rows,
+    check_activations,
+    cuda_reason,
+    gemm_output,
+    grouped_tile,
+    m_bucket,  # noqa: F401 (with GemmConfig, part of int8_matmul's interface: its autotune buckets)
+    quantizer_input,
+    row_launch,
+    row_scale,
+    store_tile,
+)
 
 Support = tuple[bool, str]
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_K = 1 << 16  # int32 accumulator: K * 128 * 255 < 2^31
 INT8_MIN_CAPABILITY = (8, 0)  # int8 tl.dot (mma.sync / wgmma s8): Ampere or newer
-QUANT_MAX_BLOCK_K = 4096  # one row chunk per loop step of the activation quantizer
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + it) - it rounds fp32 v half to even when |v| < 2^22
-
-
-# ---------------------------------------------------------------------------------------------------
-# Shared by the int8 and fp8 GEMMs (fp8.py imports these)
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One GEMM tile shape: BLOCK_M x BLOCK_N output tile, BLOCK_K per K step, GROUP_M tile rows per L2 group."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GemmConfig.{name}={v}: block sizes must be powers of two >= 16 (tl.dot's minimum)")
-        if self.group_m < 1 or self.num_stages < 1 or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"GemmConfig group_m={self.group_m}, num_stages={self.num_stages}, "
-                             f"num_warps={self.num_warps}: need >= 1, >= 1 and a power of two")
-
-    def meta(self) -> dict[str, int]:
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m}
-
-    def triton_config(self) -> triton.Config:
-        return triton.Config(self.meta(), num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-# Under the interpreter: small tiles so tiny test shapes still span several tiles and K steps.
-INTERPRETER_CONFIG = GemmConfig(16, 32, 32, group_m=4, num_warps=1, num_stages=1)
-
-M_BUCKETS = (16, 128)  # rows <= 16 (decode), <= 128, and larger (prefill: bucket 0)
-
-
-def m_bucket(m: int) -> int:
-    """The autotune bucket of M rows: 16, 128, or 0 for anything larger."""
-    return next((b for b in M_BUCKETS if m <= b), 0)
-
-
-def gemm_grid(m: int, n: int):
-    """One program per BLOCK_M x BLOCK_N output tile (the kernel orders them in GROUP_M bands)."""
-    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-
-@triton.jit
-def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) for program `pid`, walking GROUP_M tile rows per column so a weight tile is reused from L2."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows
-    pid_n = (pid % per_group) // rows
-    return pid_m, pid_n
-
-
-def as_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x [..., K] as an [M, K] matrix whose K is contiguous (a view when it already is one)."""
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} input features, the weight takes K={k}")
-    x2 = x.reshape(-1, k)
-    return x2 if x2.stride(-1) == 1 or k == 1 else x2.contiguous()
-
-
-def check_device(t: torch.Tensor, kernel: str) -> None:
-    """Triton kernels take CUDA tensors; CPU tensors only under the interpreter (tests)."""
-    if t.device.type != "cuda" and not interpreting():
-        raise ValueError(f"{kernel}: the tensor is on {t.device.type}; Triton kernels run on CUDA tensors "
-                         "(or on CPU under TRITON_INTERPRET=1)")
-
-
-def check_activations(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> None:
-    """One clear error for activations a kernel cannot take (dtype, device)."""
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{kernel}: activations of {x.dtype} are not supported (fp16, bf16, fp32)")
-    check_device(x, kernel)
-    if x.device != weight.device:
-        raise ValueError(f"{kernel}: x is on {x.device} but the weight is on {weight.device}")
-
-
-def check_bias(bias: torch.Tensor | None, n: int, device: torch.device, kernel: str) -> None:
-    if bias is None:
-        return
-    if bias.shape != (n,) or bias.dtype not in FLOAT_DTYPES or bias.device != device:
-        raise ValueError(f"{kernel}: bias must be a float [N={n}] tensor on {device}, got {bias.dtype} "
-                         f"{tuple(bias.shape)} on {bias.device}")
-
-
-def device_capability() -> tuple[int, int] | None:
-    """The current CUDA device's compute capability, None when no CUDA device is visible."""
-    if not torch.cuda.is_available():
-        return None
-    return tuple(torch.cuda.get_device_capability())
-
-
-def cuda_reason(p: LinearProblem, need: tuple[int, int], what: str) -> str | None:
-    """Why a Triton kernel needing compute capability `need` cannot run `p` (None when it can)."""
-    why = unavailable_reason(p.device)
-    if why:
-        return why
-    cap = device_capability()
-    if cap is None:
-        return "no CUDA device is visible (torch.cuda.is_available() is False)"
-    if cap < need:
-        return f"{what} needs compute capability >= {need[0]}.{need[1]}, this GPU has {cap[0]}.{cap[1]}"
-    if p.dtype not in FLOAT_DTYPES:
-        return f"activations of {p.dtype} are not supported (fp16, bf16, fp32)"
-    return None
+INT8_CONFIGS = ONE_BYTE_CONFIGS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,12 +73,7 @@ def _quantize_int8_kernel(x_ptr, q_ptr, scale_ptr, rowsum_ptr, K, stride_xm, str
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
     offs = tl.arange(0, BLOCK_K)
-
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-8), 127.0)
+    scale = row_scale(x_row, K, 1e-8, 127.0, BLOCK_K)
 
     rowsum = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
@@ -200,32 +91,17 @@ def _quantize_int8_kernel(x_ptr, q_ptr, scale_ptr, rowsum_ptr, K, stride_xm, str
     tl.store(rowsum_ptr + row, tl.sum(rowsum, axis=0))
 
 
-def quant_block_k(k: int, block_k: int | None) -> int:
-    if block_k is not None:
-        if block_k < 16 or block_k & (block_k - 1):
-            raise ValueError(f"block_k={block_k}: the quantizer's K chunk must be a power of two >= 16")
-        return block_k
-    return min(triton.next_power_of_2(max(k, 16)), QUANT_MAX_BLOCK_K)
-
-
 def quantize_int8_with_rowsum(x2d: torch.Tensor, block_k: int | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes int8 [M, K], scale fp32 [M, 1], rowsum int32 [M]); see the module doc."""
-    if x2d.dim() != 2:
-        raise ValueError(f"quantize_per_token_int8_triton takes x as [M, K], got shape {tuple(x2d.shape)}")
-    if x2d.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"quantize_per_token_int8_triton: x of {x2d.dtype} is not supported (fp16, bf16, fp32)")
-    check_device(x2d, "quantize_per_token_int8_triton")
+    x2d = quantizer_input(x2d, "quantize_per_token_int8_triton")
     m, k = x2d.shape
-    x2d = x2d if x2d.stride(-1) == 1 or k <= 1 else x2d.contiguous()
     codes = torch.empty(m, k, dtype=torch.int8, device=x2d.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x2d.device)
     rowsum = torch.empty(m, dtype=torch.int32, device=x2d.device)
-    if m == 0:
-        return codes, scale, rowsum
-    bk = quant_block_k(k, block_k)
-    _quantize_int8_kernel[(m,)](x2d, codes, scale, rowsum, k, x2d.stride(0), codes.stride(0),
-                                BLOCK_K=bk, USE_RINT=not interpreting(), num_warps=4 if bk >= 1024 else 1)
+    if m:
+        _quantize_int8_kernel[(m,)](x2d, codes, scale, rowsum, k, x2d.stride(0), codes.stride(0),
+                                    USE_RINT=not interpreting(), **row_launch(k, block_k))
     return codes, scale, rowsum
 
 
@@ -271,24 +147,10 @@ def _int8_gemm_kernel(x_ptr, w_ptr, y_ptr, sx_ptr, sw_ptr, rowsum_ptr, zero_ptr,
     sx = tl.load(sx_ptr + offs_m, mask=mask_m, other=0.0)
     sw = tl.load(sw_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * sx[:, None] * sw[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(y, y_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
 
-# Per M bucket: decode rows are bandwidth-bound on the weight (wide N, deep K tiles, few rows); prefill is
-# compute-bound (large square-ish tiles, 8 warps). Sizes fit H100/H200 shared memory at the given stages.
-INT8_CONFIGS: dict[int, list[GemmConfig]] = {
-    16: [GemmConfig(16, 64, 256, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 128, 256, 1, 4, 3),
-         GemmConfig(16, 256, 128, 1, 8, 3), GemmConfig(16, 64, 128, 1, 2, 5)],
-    128: [GemmConfig(32, 128, 128, 8, 4, 4), GemmConfig(64, 128, 128, 8, 4, 4), GemmConfig(64, 64, 256, 8, 4, 3),
-          GemmConfig(128, 128, 128, 8, 8, 3), GemmConfig(64, 256, 128, 8, 8, 3)],
-    0: [GemmConfig(128, 128, 128, 8, 8, 3), GemmConfig(128, 256, 128, 8, 8, 3), GemmConfig(128, 128, 64, 8, 4, 4),
-        GemmConfig(64, 256, 128, 8, 8, 3), GemmConfig(256, 128, 128, 8, 8, 3)],
-}
-_INT8_TUNED = {bucket: triton.autotune([c.triton_config() for c in configs], key=["N", "K"])(_int8_gemm_kernel)
-               for bucket, configs in INT8_CONFIGS.items()}
+_INT8_GEMM = TunedGemm(_int8_gemm_kernel, INT8_CONFIGS)
 
 
 @dataclass
@@ -337,21 +199,6 @@ def prepare_w8a8_int8(weight: IntWeight, p: LinearProblem) -> Int8State:
     return Int8State(weight.q.contiguous(), weight.scale.reshape(n).float().contiguous(), zero, n, k)
 
 
-def launch_gemm(tuned: dict, configs: dict[int, list[GemmConfig]], kernel, config: GemmConfig | None, m: int, n: int,
-                args: tuple, flags: dict) -> None:
-    """Run one GEMM: the given config, the interpreter's fixed one, the bucket's first config when
-    TOKQ_TRITON_AUTOTUNE=0, or the autotuner of M's bucket."""
-    grid = gemm_grid(m, n)
-    if config is None and interpreting():
-        config = INTERPRETER_CONFIG
-    elif config is None and not autotune_enabled():
-        config = configs[m_bucket(m)][0]
-    if config is not None:
-        kernel[grid](*args, **flags, **config.meta(), num_warps=config.num_warps, num_stages=config.num_stages)
-    else:
-        tuned[m_bucket(m)][grid](*args, **flags)
-
-
 def int8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, state: Int8State, bias: torch.Tensor | None = None,
                 config: GemmConfig | None = None, *, out_dtype: torch.dtype = torch.float32,
                 x_rowsum: torch.Tensor | None = None) -> torch.Tensor:
@@ -365,15 +212,7 @@ def int8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, state: Int8State, bias
         raise ValueError(f"int8_matmul takes int8 x_q [M, {state.k}], got {x_q.dtype} {tuple(x_q.shape)}")
     if x_q.stride(-1) != 1 and k > 1:
         x_q = x_q.contiguous()
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"int8_matmul: out_dtype {out_dtype} is not supported (fp16, bf16, fp32)")
-    check_device(x_q, "int8_matmul")
-    if x_q.device != state.q.device:
-        raise ValueError(f"int8_matmul: x_q is on {x_q.device} but the weight is on {state.q.device}")
-    if x_scale.numel() != m:
-        raise ValueError(f"int8_matmul: x_scale must hold one scale per row ({m}), got shape {tuple(x_scale.shape)}")
-    check_bias(bias, state.n, x_q.device, "int8_matmul")
-    y = torch.empty(m, state.n, dtype=out_dtype, device=x_q.device)
+    y = gemm_output(x_q, state.q, x_scale, bias, state.n, out_dtype, "int8_matmul")
     if m == 0:
         return y
     sx = x_scale.reshape(m).float().contiguous()
@@ -384,7 +223,7 @@ def int8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, state: Int8State, bias
             dummy if state.zero is None else state.zero, dummy if bias is None else bias.contiguous(),
             m, state.n, k, x_q.stride(0), state.q.stride(0), y.stride(0))
     flags = {"HAS_ZERO": state.zero is not None, "HAS_BIAS": bias is not None}
-    launch_gemm(_INT8_TUNED, INT8_CONFIGS, _int8_gemm_kernel, config, m, state.n, args, flags)
+    _INT8_GEMM.launch(config, m, state.n, args, flags)
     return y
 
 
