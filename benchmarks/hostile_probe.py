@@ -92,7 +92,7 @@ HOLD = textwrap.dedent("""
 # The real CLI, its quantize_model slowed by 8 s: stands in for a model that takes minutes to quantize.
 SLOW_QUANTIZE = textwrap.dedent("""
     import sys, time
-    import tokq.quantize.pipeline as api
+    import tokq.quantize.pipeline as pipeline
     real = pipeline.quantize_model
     def slow(*args, **kwargs):
         time.sleep(8)

@@ -32,7 +32,7 @@ from tokq.engine.llm_engine import EngineConfig, LLMEngine
 from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
 from tokq.evalsuite.ab import BaselineWindow, scored_rows, token_metrics
 from tokq.evalsuite.full_kl import a_tail, full_row_kl, systematic_sample, tail_gap
-from tokq.evalsuite.stats import paired_bootstrap
+from tokq.evalsuite.stats.bootstrap import paired_bootstrap
 from tokq.longctx.documents import load_documents
 from tokq.longctx.windows import as_text_encoder, build_windows, tokenize_documents
 from tokq.paths import data_dir

@@ -28,7 +28,7 @@ for ckpt in "$OUT/smollm2-awq-int4" "$OUT/smollm2-w8a8"; do
   fi
 done
 set +e
-$TOKQ gate --config "$OUT/tokq.toml" --out "$OUT/gate"
+$TOKQ gate --config "$OUT/tokq.toml" --report-dir "$OUT/gate"
 CODE=$?
 set -e
 if [ "$CODE" -eq 2 ] || [ "$CODE" -ge 4 ]; then

@@ -1,7 +1,7 @@
 """Independent AutoGPTQ- and AutoAWQ-layout checkpoint writers, for tests only.
 
 Written from the formats' documentation with plain torch, sharing no code with tokq, so a test that
-writes with these and reads with `tokq.engine.quant_checkpoint` checks both against the documented
+writes with these and reads with `tokq.engine.quant_formats` checks both against the documented
 layout rather than against each other:
 
 - AutoGPTQ: `qweight` int32 [K*b/32, N]: input row k sits in word k // (32/b) at bit b*(k % (32/b));

@@ -16,7 +16,7 @@ from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
 from tokq.evalsuite.ab import BaselineWindow, token_metrics
 from tokq.evalsuite.compare import evaluate_thresholds
-from tokq.evalsuite.stats import clopper_pearson, proportion
+from tokq.evalsuite.stats.exact import clopper_pearson, proportion
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tokq.cli import main
-from tokq.config import STARTER, load_project
+from tokq.config import load_project
+from tokq.config_starter import STARTER
 from tokq.errors import ConfigError
 from tokq.paths import data_dir
 
@@ -34,10 +35,10 @@ def test_per_bucket_rules(tmp_path):
     path.write_text('[base]\nmodel = "m"\n[gate.quality]\nmax_kl = { overall = 0.05, "4K-8K" = 0.1 }\n')
     rules = load_project(path).quality
     assert [(r.bucket, r.threshold) for r in rules] == [(None, 0.05), ("4K-8K", 0.1)]
-    assert load_project(path).quality_on == "bound"
-    path.write_text('[base]\nmodel = "m"\n[gate.quality]\nci = "point"\nmax_kl = 0.05\n')
+    assert load_project(path).threshold_on == "bound"
+    path.write_text('[base]\nmodel = "m"\n[gate.quality]\nthreshold_on = "point"\nmax_kl = 0.05\n')
     project = load_project(path)
-    assert project.quality_on == "point" and [r.name for r in project.quality] == ["max_kl"]
+    assert project.threshold_on == "point" and [r.name for r in project.quality] == ["max_kl"]
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -48,7 +49,7 @@ def test_per_bucket_rules(tmp_path):
     (lambda s: s.replace("window = 2048", "windw = 2048"), r"\[data.default\] windw is not a known key"),
     (lambda s: s.replace("[bench]\nprompt_len", "[bench]\nspeed = 3\nprompt_len"), r"\[bench\] speed is not a known key"),
     (lambda s: s + "\n[gates]\nx = 1\n", r"gates is not a known table"),
-    (lambda s: s.replace('ci = "bound"', 'ci = "upper"'), r"tokq.toml:\d+: \[gate.quality\] ci = 'upper' must be"),
+    (lambda s: s.replace('threshold_on = "bound"', 'threshold_on = "upper"'), r"tokq.toml:\d+: \[gate.quality\] threshold_on = 'upper' must be"),
     (lambda s: s.replace("min_tpot_speedup = 1.2", "min_tpot_speedup = true"), r"must be a number"),
     (lambda s: s.replace('int4 = {', 'int4 = { recipe = "awq" }\nx = {'), r"recipe must be a table"),
 ])
@@ -86,8 +87,8 @@ def test_flip_rule_needs_enough_probes(tmp_path):
     load_project(quick(tmp_path, "max_flip_rate = 0.25", "probe_depths = 13\n"))  # 13 depths x 1
     with pytest.raises(ConfigError, match=r"needs at least 13 probes \(has 12\)"):
         load_project(quick(tmp_path, "max_flip_rate = 0.25", "probe_depths = 4\nprobe_repeats = 3\n"))
-    # ci = "point" decides on the estimate: 0 flips of 5 is 0 <= 0.25, so the rule can pass
-    assert load_project(quick(tmp_path, 'ci = "point"\nmax_flip_rate = 0.25')).quality_on == "point"
+    # threshold_on = "point" decides on the estimate: 0 flips of 5 is 0 <= 0.25, so the rule can pass
+    assert load_project(quick(tmp_path, 'threshold_on = "point"\nmax_flip_rate = 0.25')).threshold_on == "point"
     # probes up to the window (4096): contexts 1024, 2048, 4096 x 5 depths = 15 probes
     path.write_text(QUICK.format(rules="max_flip_rate = 0.25", data="").replace(
         "window = 2048\nprobe_max_context = 1024", "window = 4096"))
@@ -112,12 +113,12 @@ def test_one_document_gives_no_interval(tmp_path):
     with pytest.raises(ConfigError, match=r"max_kl = 0.3 cannot pass with the 1 document of \[data.default\]"):
         load_project(quick(tmp_path, "max_kl = 0.3", "sample_windows = 1\n"))
     assert load_project(quick(tmp_path, "max_kl = 0.3", "sample_windows = 2\n")).quality[0].name == "max_kl"
-    assert load_project(quick(tmp_path, 'ci = "point"\nmax_kl = 0.3', "sample_windows = 1\n")).quality_on == "point"
+    assert load_project(quick(tmp_path, 'threshold_on = "point"\nmax_kl = 0.3', "sample_windows = 1\n")).threshold_on == "point"
 
 
 def test_probes_to_pass_is_the_smallest_sufficient_grid():
     from tokq.evalsuite.power import probes_to_pass
-    from tokq.evalsuite.stats import clopper_pearson
+    from tokq.evalsuite.stats.exact import clopper_pearson
 
     for threshold in (0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.52, 0.9):
         n = probes_to_pass(threshold)
@@ -284,7 +285,7 @@ def test_data_read_caps_must_be_positive_mib(tmp_path, value, message):
 
 
 def test_data_read_caps_default_to_the_flags(tmp_path):
-    from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
+    from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
 
     data = load_project(quick(tmp_path, "max_kl = 0.3")).data["default"]
     assert (data.max_doc_mb, data.max_file_mb) == (DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB)
@@ -293,3 +294,16 @@ def test_data_read_caps_default_to_the_flags(tmp_path):
     assert (data.max_doc_mb, data.max_file_mb) == (0.5, 8.0)
     # the starter shows both, commented, with the flags' defaults
     assert "# max_doc_mb = 64 " in STARTER and "# max_file_mb = 1024 " in STARTER
+
+
+def test_the_former_ci_key_still_reads_with_a_warning(tmp_path, caplog):
+    """[gate.quality] ci was renamed threshold_on (the name `tokq compare --threshold-on` uses): an old file still
+    gates the same way, warned; both keys at once are refused."""
+    path = tmp_path / "tokq.toml"
+    path.write_text('[base]\nmodel = "m"\n[gate.quality]\nci = "point"\nmax_kl = 0.05\n')
+    with caplog.at_level("WARNING", logger="tokq"):
+        assert load_project(path).threshold_on == "point"
+    assert "ci is now called threshold_on" in caplog.text
+    path.write_text('[base]\nmodel = "m"\n[gate.quality]\nci = "point"\nthreshold_on = "point"\nmax_kl = 0.05\n')
+    with pytest.raises(ConfigError, match="same setting"):
+        load_project(path)

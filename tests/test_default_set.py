@@ -13,14 +13,10 @@ from typer.testing import CliRunner
 from tokq.commands import data as data_cmd
 from tokq.errors import DataError
 from tokq.longctx import default_set
-from tokq.longctx.default_set import (
-    SourceSpec,
-    build_default_set,
-    default_sources,
-    html_to_text,
-    read_default_set,
-)
+from tokq.longctx.default_set import build_default_set, read_default_set
+from tokq.longctx.default_sources import SourceSpec, default_sources
 from tokq.longctx.documents import load_documents
+from tokq.longctx.html_text import html_to_text
 
 MIN = 200  # min_chars used on the small trees below
 MAX = 2_000

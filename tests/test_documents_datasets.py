@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from tokq.cli import main
 from tokq.commands import data as data_cmd
 from tokq.errors import DataError
-from tokq.longctx.documents import ReadLimits, load_documents
+from tokq.longctx.documents import load_documents
+from tokq.longctx.read_limits import ReadLimits
 
 REPO = Path(__file__).resolve().parents[1]
 PROSE = "The quick brown fox jumps over the lazy dog.\nIt keeps running through the night.\n"

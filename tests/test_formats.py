@@ -15,12 +15,9 @@ from safetensors.torch import load_file, save_file
 from tests.formats_writers import write_awq_checkpoint, write_gptq_checkpoint
 from tests.test_models_vs_hf import BASE, make_hf_checkpoint
 from tokq.engine.checkpoint import load_model
-from tokq.engine.quant_checkpoint import (
-    InputPermutedLinearMethod,
-    compressed_tensors_weight,
-    unpack_int32_dense,
-)
-from tokq.engine.quant_linear import QuantizedLinearMethod
+from tokq.engine.quant_formats.compressed_tensors import compressed_tensors_weight
+from tokq.engine.quant_formats.packing import unpack_int32_dense
+from tokq.engine.quant_linear import InputPermutedLinearMethod, QuantizedLinearMethod
 from tokq.errors import ModelError, TokqError
 from tokq.kernels.reference import FP8Weight, IntWeight
 from tokq.quantize.formats import compress_weight, compression_format, save_quantized
@@ -423,7 +420,7 @@ def test_gptq_v1_wrapped_zero_point(bits):
     (signed 8) is kept exactly, as AutoGPTQ's kernels compute it; at 8 bits it does not fit tokq's int8 zero
     points, which is refused with the fix rather than silently changed."""
     from tests.formats_writers import pack_along_cols, pack_along_rows
-    from tokq.engine.quant_checkpoint import gptq_weight
+    from tokq.engine.quant_formats.gptq import gptq_weight
 
     n, k, group = 16, 64, 32
     g = torch.Generator().manual_seed(bits)

@@ -24,7 +24,8 @@ from tokq.evalsuite.full_kl import (
     systematic_sample,
     tail_gap,
 )
-from tokq.evalsuite.stats import Estimate, paired_bootstrap
+from tokq.evalsuite.stats.bootstrap import paired_bootstrap
+from tokq.evalsuite.stats.estimate import Estimate
 
 VOCAB = BASE["vocab_size"]
 

@@ -70,7 +70,7 @@ def absolute(text: str, project: Path) -> str:
 
 def gate(project: Path, tmp_path: Path, *args) -> tuple[int, dict | None]:
     out = tmp_path / "report"
-    code = main(["gate", "--config", str(project / "tokq.toml"), "--out", str(out), "--threads", "1", *args])
+    code = main(["gate", "--config", str(project / "tokq.toml"), "--report-dir", str(out), "--threads", "1", *args])
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
     return code, report
 

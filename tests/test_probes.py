@@ -1,6 +1,6 @@
-"""longctx.probes: passkey prompts of exact length with the needle at the asked depth, seeded keys,
-exact-match scoring, accuracy grids and A/B flips; the whole pipeline on a tiny engine, and on the
-real SmolLM2-135M (integration)."""
+"""longctx.probes and longctx.probe_scoring: passkey prompts of exact length with the needle at the asked
+depth, seeded keys, exact-match scoring; the whole pipeline on a tiny engine, and on the real SmolLM2-135M
+(integration)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tests.test_windows import tiny_hf_tokenizer
 from tokq.longctx.documents import Document
+from tokq.longctx.probe_scoring import ProbeResult, extract_key, run_probes
 from tokq.longctx.probes import (
     DEFAULT_DEPTHS,
     INSTRUCTION,
@@ -23,17 +24,11 @@ from tokq.longctx.probes import (
     QUESTION,
     Probe,
     ProbeError,
-    ProbeResult,
     _segments,
-    accuracy_grid,
     build_probes,
-    compare_probe_results,
     default_contexts,
     evenly_spaced_depths,
-    extract_key,
-    is_correct,
     probe_grid,
-    run_probes,
 )
 
 UNK = 0
@@ -130,7 +125,7 @@ def test_prompt_length_exact_and_needle_at_depth(add_bos: bool) -> None:
         else:
             assert p.needle_start + p.needle_tokens == p.context - len(question)  # right before the question
     middle = [p for p in probes if p.depth == 0.5]
-    assert all(abs(p.actual_depth - 0.5) < 0.03 for p in middle)
+    assert all(abs(p.needle_offset / p.filler_tokens - 0.5) < 0.03 for p in middle)
 
 
 def test_prompt_reads_as_instruction_filler_needle_question() -> None:
@@ -147,14 +142,14 @@ def test_prompt_reads_as_instruction_filler_needle_question() -> None:
             assert before == INSTRUCTION or before.endswith(".\n")  # the needle sits on a line boundary
         assert prompt.count(p.key) == 2
     middle = probes[1]
-    assert abs(middle.actual_depth - 0.3) * middle.filler_tokens <= 14  # within half a line of text
+    assert abs(middle.needle_offset - 0.3 * middle.filler_tokens) <= 14  # within half a line of text
 
 
 def test_long_lines_are_split_so_the_needle_lands_near_its_depth() -> None:
     enc = CharEncoder()
     text = " ".join(f"Sentence number {i} has words." for i in range(400))  # one line, no newline
     (p,) = build_probes([Document("one.txt", Path("one.txt"), text)], enc, [3000], [0.5], add_bos=False)
-    assert abs(p.actual_depth - 0.5) * p.filler_tokens <= 20
+    assert abs(p.needle_offset - 0.5 * p.filler_tokens) <= 20
     before = enc.decode(p.prompt_ids[: p.needle_start])
     assert before.endswith("words.")  # after a sentence end
 
@@ -183,21 +178,14 @@ def test_short_documents_repeat_and_say_so() -> None:
     probes = build_probes(docs, tok, [200], [0.5], seed=0, add_bos=False)
     (p,) = probes
     used = p.filler_doc.split(", ")
-    assert set(used) == {"a.txt", "b.txt"} and len(used) >= 4 and p.filler_repeated
+    assert set(used) == {"a.txt", "b.txt"} and len(used) >= 4
     assert len(p.prompt_ids) == 200
     roomy = build_probes([cat_doc(lines=400)], tok, [200], [0.5], add_bos=False)[0]
-    assert roomy.filler_doc == "cats.txt" and not roomy.filler_repeated
+    assert roomy.filler_doc == "cats.txt"
     # Documents are concatenated in a seeded order that differs between probes.
     many = [cat_doc(f"d{i}.txt", lines=4) for i in range(6)]
     firsts = {p.filler_doc.split(", ")[0] for p in build_probes(many, tok, [128, 256], add_bos=False, repeats=3)}
     assert len(firsts) > 1
-
-
-def test_probe_to_dict_has_no_prompt_ids() -> None:
-    (p,) = build_probes([cat_doc()], tiny_hf_tokenizer(), [128], [0.5], add_bos=True)
-    d = p.to_dict()
-    assert "prompt_ids" not in d and d["context"] == 128 and d["key"] == p.key
-    assert d["actual_depth"] == pytest.approx(p.actual_depth)
 
 
 def test_build_errors() -> None:
@@ -225,58 +213,6 @@ def test_extract_key_takes_the_first_five_digit_number() -> None:
     assert extract_key("482130 is long, 4821 short, then 77777.") == "77777"  # runs of exactly five digits
     assert extract_key("the pass key is forty") is None
     assert extract_key("48 213") is None
-    assert is_correct(" 48213.\n", "48213")
-    assert not is_correct(" 48212.", "48213")
-    assert not is_correct(" 12345 48213", "48213")  # the first number counts
-
-
-def result(context: int, depth: float, key: str, correct: bool) -> ProbeResult:
-    return ProbeResult(context, depth, key, key, key if correct else "00000", key if correct else None, correct)
-
-
-def test_accuracy_grid_counts() -> None:
-    results = [
-        result(1024, 0.0, "11111", True), result(1024, 0.5, "22222", True), result(1024, 1.0, "33333", False),
-        result(2048, 0.0, "44444", False), result(2048, 0.5, "55555", False), result(2048, 1.0, "66666", True),
-    ]
-    grid = accuracy_grid(list(reversed(results)))
-    assert grid["grid"] == {1024: {0.0: 1.0, 0.5: 1.0, 1.0: 0.0}, 2048: {0.0: 0.0, 0.5: 0.0, 1.0: 1.0}}
-    assert list(grid["grid"]) == [1024, 2048] and list(grid["grid"][1024]) == [0.0, 0.5, 1.0]
-    assert grid["by_context"] == {1024: pytest.approx(2 / 3), 2048: pytest.approx(1 / 3)}
-    assert grid["by_depth"] == {0.0: 0.5, 0.5: 0.5, 1.0: 0.5}
-    assert grid["overall"] == 0.5 and grid["n"] == 6 and grid["n_correct"] == 3
-    # Several probes per cell: the cell holds the fraction right.
-    two = accuracy_grid([result(512, 0.5, "12121", True), result(512, 0.5, "34343", False)])
-    assert two["grid"] == {512: {0.5: 0.5}}
-    with pytest.raises(ValueError):
-        accuracy_grid([])
-
-
-def test_compare_probe_results_counts_flips() -> None:
-    cells = [(1024, 0.0), (1024, 0.5), (1024, 1.0), (2048, 0.0), (2048, 0.5), (2048, 1.0)]
-    keys = [f"{k}{k}{k}{k}{k}" for k in range(1, 7)]
-    a_right = [True, True, True, False, True, False]
-    b_right = [True, False, True, True, False, False]
-    a = [result(c, d, k, r) for (c, d), k, r in zip(cells, keys, a_right, strict=True)]
-    b = [result(c, d, k, r) for (c, d), k, r in zip(cells, keys, b_right, strict=True)]
-    cmp = compare_probe_results(a, list(reversed(b)))  # paired by probe, not by position
-    assert (cmp["both_right"], cmp["a_right_b_wrong"], cmp["a_wrong_b_right"], cmp["both_wrong"]) == (2, 2, 1, 1)
-    assert cmp["n"] == 6
-    assert cmp["flip_rate"] == pytest.approx(2 / 6) and cmp["reverse_flip_rate"] == pytest.approx(1 / 6)
-    assert cmp["flips_a_right_b_wrong"] == [(1024, 0.5), (2048, 0.5)]
-    assert cmp["flips_a_wrong_b_right"] == [(2048, 0.0)]
-    assert cmp["accuracy_a"] == pytest.approx(4 / 6) and cmp["accuracy_b"] == pytest.approx(3 / 6)
-    flips = cmp["intervals"]["flip_rate"]  # exact: 2 of 6
-    assert flips["value"] == pytest.approx(2 / 6) and flips["n_docs"] == 6
-    assert (flips["low"], flips["high"]) == pytest.approx((0.0433, 0.7772), abs=1e-4)
-    assert cmp["intervals"]["accuracy_b"]["low"] < 0.5 < cmp["intervals"]["accuracy_b"]["high"]
-    assert cmp["grid_a"]["grid"][1024][0.5] == 1.0 and cmp["grid_b"]["grid"][1024][0.5] == 0.0
-    same = compare_probe_results(a, a)
-    assert same["a_right_b_wrong"] == same["a_wrong_b_right"] == 0 and same["flip_rate"] == 0.0
-    with pytest.raises(ValueError, match="different probes"):
-        compare_probe_results(a, b[:-1])
-    with pytest.raises(ValueError, match="different probes"):
-        compare_probe_results(a, [*b[:-1], result(2048, 1.0, "99999", False)])
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -323,7 +259,6 @@ def test_run_probes_greedy_batched_and_scored() -> None:
     assert [(r.context, r.depth, r.key) for r in results] == [(p.context, p.depth, p.key) for p in probes]
     assert [r.correct for r in results] == [True] * 3 + [False] * 3
     assert results[0].predicted == probes[0].key and results[0].output_text == f" {probes[0].key}.\n"
-    assert accuracy_grid(results)["by_context"] == {600: 1.0, 1200: 0.0}
     # Without a tokenizer on the engine, the one passed in decodes the answers.
     plain = run_probes(FakeEngine(), probes, tokenizer=enc)
     assert [r.correct for r in plain] == [True] * 6
@@ -356,8 +291,7 @@ def test_run_probes_on_a_tiny_engine(tmp_path) -> None:
     results = run_probes(engine, probes, max_new_tokens=6, tokenizer=enc)
     assert len(results) == 4 and all(isinstance(r, ProbeResult) for r in results)
     assert all(r.correct == (r.predicted == r.key) for r in results)
-    grid = accuracy_grid(results)
-    assert set(grid["grid"]) == {300, 400} and grid["n"] == 4
+    assert {r.context for r in results} == {300, 400}
 
 
 # --- the real SmolLM2-135M ----------------------------------------------------------------------
@@ -385,15 +319,13 @@ def test_smollm2_retrieves_passkeys_from_a_real_document() -> None:
     engine = LLMEngine(model, EngineConfig(kv_memory=256 << 20, max_model_len=1100), tokenizer)
     results = run_probes(engine, probes)
     elapsed = time.perf_counter() - start
-    grid = accuracy_grid(results)
+    n_correct = sum(r.correct for r in results)
     for r in results:
         print(f"context {r.context} depth {r.depth}: key {r.key} -> {r.output_text!r} {'ok' if r.correct else 'WRONG'}")
-    print(f"SmolLM2-135M passkey accuracy {grid['overall']:.2f} ({grid['n_correct']}/{grid['n']}) in {elapsed:.1f} s")
-    assert set(grid["grid"]) == {512, 1024} and all(set(row) == {0.0, 0.5, 1.0} for row in grid["grid"].values())
+    print(f"SmolLM2-135M passkey accuracy {n_correct / len(results):.2f} ({n_correct}/{len(results)}) in {elapsed:.1f} s")
+    assert [(r.context, r.depth) for r in results] == [(c, d) for c in (512, 1024) for d in (0.0, 0.5, 1.0)]
     assert all(r.filler_doc == "argparse.txt" for r in results)
-    assert grid["overall"] >= 2 / 3
-    cmp = compare_probe_results(results, results)
-    assert cmp["both_right"] == grid["n_correct"] and cmp["flip_rate"] == 0.0
+    assert n_correct >= 2 / 3 * len(results)
 
 
 def test_probe_is_frozen() -> None:

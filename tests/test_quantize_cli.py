@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.test_models_vs_hf import BASE, make_hf_checkpoint
 from tokq.cli import main
+from tokq.config import find_variant
 from tokq.engine.checkpoint import load_model
 from tokq.engine.quant_linear import QuantizedLinearMethod
-from tokq.project import find_variant
 
 WORDS = [f"w{i}" for i in range(180)]
 

@@ -9,24 +9,13 @@ import math
 import pytest
 import torch
 
-from tokq.evalsuite import stats
-from tokq.evalsuite.stats import (
-    FEW_DOCUMENTS,
-    POSITION_BUCKETS,
-    Estimate,
-    aggregate,
-    bucket_of,
-    buckets_up_to,
-    check_threshold,
-    clopper_pearson,
-    cluster_quantiles,
-    mcnemar_exact,
-    mean_interval,
-    paired_bootstrap,
-    per_document_means,
-    ppl_ratio_from,
-    proportion,
-)
+from tokq.evalsuite.stats import quantiles
+from tokq.evalsuite.stats.aggregation import POSITION_BUCKETS, aggregate, bucket_of
+from tokq.evalsuite.stats.bootstrap import mean_interval, paired_bootstrap, per_document_means, ppl_ratio_from
+from tokq.evalsuite.stats.estimate import FEW_DOCUMENTS, Estimate
+from tokq.evalsuite.stats.exact import clopper_pearson, mcnemar_exact, proportion
+from tokq.evalsuite.stats.quantiles import cluster_quantiles
+from tokq.evalsuite.stats.thresholds import check_threshold
 
 
 def synthetic(num_docs: int, seed: int, mean: float = 0.3, doc_sd: float = 0.2, token_sd: float = 0.5,
@@ -51,14 +40,6 @@ def test_bucket_edges():
         bucket_of(torch.tensor([131072]))
     with pytest.raises(ValueError):
         bucket_of(torch.tensor([-1]))
-
-
-def test_buckets_up_to_window():
-    assert [b[2] for b in buckets_up_to(2048)] == ["0-511", "512-1K", "1K-2K"]
-    assert len(buckets_up_to(8192)) == 5
-    assert len(buckets_up_to(2049)) == 4  # position 2048 reaches 2K-4K
-    assert len(buckets_up_to(512)) == 1
-    assert len(buckets_up_to(131072)) == len(POSITION_BUCKETS)
 
 
 def test_per_document_sums_and_counts():
@@ -221,7 +202,7 @@ def test_kl_quantiles_match_the_pooled_tokens_and_have_intervals(monkeypatch):
     low_doc = -torch.arange(1, 9001, dtype=torch.float64) * 1e-3
     pooled, docs = torch.cat([kl.double(), low_doc]), torch.cat([doc_index, torch.full((9000,), 30)])
     gridded = cluster_quantiles(pooled, docs, 31, levels, resamples=200, seed=1)
-    monkeypatch.setattr(stats, "_QUANTILE_GRID", 10**6)
+    monkeypatch.setattr(quantiles, "_QUANTILE_GRID", 10**6)
     assert as_json(gridded) == as_json(cluster_quantiles(pooled, docs, 31, levels, resamples=200, seed=1))
     one = cluster_quantiles(kl[doc_index == 0], doc_index[doc_index == 0], 1, levels, lowest=0.0)
     assert one["p90"].low == 0.0 and one["p90"].high == math.inf  # one document: no interval

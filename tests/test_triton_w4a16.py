@@ -34,13 +34,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tests.formats_writers import pack_along_cols, pack_along_rows, pack_awq  # noqa: E402
-from tokq.engine.quant_checkpoint import (  # noqa: E402
-    ShardWeight,
-    _contiguous_perm,
-    awq_weight,
-    compressed_tensors_weight,
-    gptq_weight,
-)
+from tokq.engine.quant_formats.awq import awq_weight  # noqa: E402
+from tokq.engine.quant_formats.base import ShardWeight  # noqa: E402
+from tokq.engine.quant_formats.compressed_tensors import compressed_tensors_weight  # noqa: E402
+from tokq.engine.quant_formats.gptq import gptq_weight  # noqa: E402
+from tokq.engine.quant_formats.loader import _contiguous_perm  # noqa: E402
 from tokq.kernels.problem import LinearProblem  # noqa: E402
 from tokq.kernels.reference import IntWeight, linear_reference  # noqa: E402
 from tokq.kernels.triton import interpreting  # noqa: E402
@@ -333,7 +331,7 @@ def _direct(q, zeros, scales, g_idx) -> torch.Tensor:
 
 
 def _packed_dequant_matches(shard: ShardWeight, expected: torch.Tensor, what: str) -> None:
-    """Pack the engine's IntWeight (its act-order permutation applied, as engine._install does) and compare."""
+    """Pack the engine's IntWeight (its act-order permutation applied, as the engine's loader does) and compare."""
     weight = shard.weight
     if shard.g_idx is not None:
         perm = _contiguous_perm([shard], weight.group_size)

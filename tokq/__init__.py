@@ -20,9 +20,9 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _API = {
-    "quantize": "tokq.api.quantize", "QuantizeResult": "tokq.api.quantize", "QuantizeSettings": "tokq.api.settings",
-    "compare": "tokq.api.compare", "CompareResult": "tokq.api.compare", "CompareSettings": "tokq.api.settings",
-    "bench": "tokq.api.bench", "BenchResult": "tokq.api.bench", "BenchSettings": "tokq.api.settings",
+    "quantize": "tokq.api.quantize", "QuantizeResult": "tokq.api.quantize", "QuantizeSettings": "tokq.settings",
+    "compare": "tokq.api.compare", "CompareResult": "tokq.api.compare", "CompareSettings": "tokq.settings",
+    "bench": "tokq.api.bench", "BenchResult": "tokq.api.bench", "BenchSettings": "tokq.settings",
     "gate": "tokq.api.gate", "GateResult": "tokq.api.gate",
     "LLM": "tokq.llm", "SamplingParams": "tokq.engine.sampling",
     "TokqError": "tokq.errors",

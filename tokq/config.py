@@ -32,36 +32,89 @@ recipe; a recipe only `tokq quantize` options; a per-bucket rule only "overall" 
 evalsuite.stats), a value of the wrong type, a threshold that is nan or inf, or a gate without any rule is
 an error naming the file, the line and the fix (`ConfigError`, exit 2). Relative paths ([base] model unless
 it is a zoo name, variant paths, data paths, a recipe's calib) are relative to this file's folder, never the
-working directory. `tokq.project` keeps the [variants] lookup the other commands use.
+working directory.
+
+This module is the one reader of tokq.toml: `find_config` / `load_config` / `find_variant` (the [variants]
+lookup every command uses) and `load_project` (the whole file, checked; `tokq.config_checker` names the
+line of a bad key). `tokq.config_edit` adds a variant to the file (`tokq quantize --name`);
+`tokq.config_starter` holds the starter `tokq init` writes. Light: no torch at import.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import os
-import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokq.config_checker import Checker, table_error
 from tokq.errors import ConfigError
-from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
-from tokq.project import load_config
+from tokq.evalsuite.rule_defs import QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
+from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
+from tokq.quantize.recipe import recipe_options
+from tokq.zoo_catalog import ZOO
 
-QUALITY_RULES = {"max_kl": "max", "min_top1": "min", "max_ppl_ratio": "max", "max_flip_rate": "max",
-                 "max_kl_p90": "max", "max_kl_p95": "max", "max_kl_p99": "max", "max_kl_p999": "max",
-                 "max_rms_delta_p": "max"}
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger("tokq")
+
+CONFIG_NAME = "tokq.toml"
 DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context", "probe_depths",
              "probe_repeats", "max_doc_mb", "max_file_mb"}
 # [data.NAME] keys in MiB, as the --max-doc-mb / --max-file-mb flags take them: any positive finite number.
 DATA_MIB_KEYS = {"max_doc_mb", "max_file_mb"}
-# Speed rules: the variant against the base on the [bench] workload, measured as one paired experiment
-# (evalsuite.gate_rules maps each to its metric). "speedup": base / variant for times, variant / base for
-# throughputs (higher is better); "ratio": variant / base (lower is better).
-SPEED_RULES = {"min_tpot_speedup": "min", "min_throughput_speedup": "min", "min_total_throughput_speedup": "min",
-               "max_ttft_ratio": "max", "max_ttft_p50_ratio": "max", "max_ttft_p95_ratio": "max",
-               "max_itl_p95_ratio": "max", "max_itl_p99_ratio": "max", "max_e2el_ratio": "max",
-               "max_memory_ratio": "max", "max_weights_ratio": "max", "max_kv_ratio": "max"}
+# Rule names: evalsuite.rule_defs (QUALITY_RULES for [gate.quality] and [compare.thresholds], SPEED_RULES for
+# [gate.speed], each rule -> "max" or "min"), the table compare and the gate's verdicts read too.
+
+
+def find_config(start: Path | None = None) -> Path | None:
+    """$TOKQ_CONFIG, else tokq.toml in the working directory or one of its parents."""
+    if os.environ.get("TOKQ_CONFIG"):
+        return Path(os.environ["TOKQ_CONFIG"])
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / CONFIG_NAME).is_file():
+            return folder / CONFIG_NAME
+    return None
+
+
+def load_config(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}; fix the file or run `tokq init` for a starter") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror})") from exc
+
+
+def variants_table(path: Path) -> dict:
+    """tokq.toml's [variants] ({} when it has none); `variants = 5` or a list is an error naming file:line."""
+    variants = load_config(path).get("variants", {})
+    if not isinstance(variants, dict):
+        raise table_error(path, "", "variants", f"= {variants!r} must be a table: fix the file, e.g. [variants] "
+                                                "with one `name = \"path\"` line per checkpoint")
+    return variants
+
+
+def find_variant(name: str) -> Path | None:
+    """The checkpoint path of variant `name` in tokq.toml, or None if there is no such variant."""
+    path = find_config()
+    if path is None:
+        return None
+    variants = variants_table(path)
+    if name not in variants:
+        return None
+    entry = variants[name]
+    target = entry.get("path") if isinstance(entry, dict) else entry
+    if not isinstance(target, str):
+        raise ConfigError(f"{path}: variant {name!r} needs a checkpoint path (a string or {{ path = \"...\" }})")
+    resolved = Path(target).expanduser()
+    return resolved if resolved.is_absolute() else path.parent / resolved
 
 
 @dataclass(frozen=True)
@@ -115,9 +168,9 @@ class Project:
     data: dict[str, DataSet] = field(default_factory=dict)
     bench: BenchWorkload = field(default_factory=BenchWorkload)
     quality: list[Rule] = field(default_factory=list)
-    quality_on: str = "bound"  # [gate.quality] ci: decide on the CI's unfavourable bound, or on the estimate
+    threshold_on: str = "bound"  # [gate.quality] threshold_on: the CI's unfavourable bound decides, or the estimate
     speed: list[Rule] = field(default_factory=list)
-    checker: _Checker | None = field(default=None, repr=False, compare=False)
+    checker: Checker | None = field(default=None, repr=False, compare=False)
 
     def error(self, table: str, key: str | None, message: str) -> ConfigError:
         """A ConfigError naming this file and the line of [table] key (for checks made after loading)."""
@@ -126,74 +179,13 @@ class Project:
         return self.checker.fail(table, key, message)
 
 
-class _Checker:
-    """Type checks that name the line of the offending key in the file."""
-
-    def __init__(self, path: Path, text: str):
-        self.path, self.lines = path, text.splitlines()
-
-    def line_of(self, table: str, key: str | None = None) -> int | None:
-        header = re.compile(r"^\s*\[\s*" + re.escape(table) + r"\s*\]\s*(#.*)?$") if table else None
-        inside = table == ""
-        for number, raw in enumerate(self.lines, 1):
-            stripped = raw.strip()
-            if stripped.startswith("["):
-                inside = bool(header and header.match(raw))
-                if inside and key is None:
-                    return number
-                continue
-            if inside and key is not None and re.match(r'^\s*"?' + re.escape(key) + r'"?\s*=', raw):
-                return number
-        return None
-
-    def fail(self, table: str, key: str | None, message: str) -> ConfigError:
-        line = self.line_of(table, key) or (self.line_of(table) if key else None)
-        where = f"{self.path}:{line}" if line else str(self.path)
-        name = f"[{table}] {key}" if key and table else (key or f"[{table}]")
-        return ConfigError(f"{where}: {name} {message}")
-
-    def table(self, parent: dict, table: str, allowed: set[str] | None = None) -> dict:
-        value = parent.get(table.rpartition(".")[2], {})
-        if not isinstance(value, dict):
-            raise self.fail(table.rpartition(".")[0], table.rpartition(".")[2], "must be a table")
-        if allowed is not None:
-            for key in value:
-                if key not in allowed:
-                    raise self.fail(table, key, f"is not a known key; known: {', '.join(sorted(allowed))}")
-        return value
-
-    def number(self, table: str, key: str, value: Any, *, integer: bool = False, minimum: float | None = None,
-               below: float | None = None, finite: bool = False) -> float:
-        kind = "an integer" if integer else "a number"
-        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-            raise self.fail(table, key, f"= {value!r} must be {kind}")
-        if finite and not math.isfinite(value):  # nan passes and fails nothing: a rule that checks nothing
-            raise self.fail(table, key, f"= {value!r} must be a finite number")
-        if minimum is not None and value < minimum:
-            raise self.fail(table, key, f"= {value!r} must be >= {minimum}")
-        if below is not None and value >= below:
-            raise self.fail(table, key, f"= {value!r} must be < {below}")
-        return value
-
-    def string(self, table: str, key: str, value: Any) -> str:
-        if not isinstance(value, str) or not value:
-            raise self.fail(table, key, f"= {value!r} must be a non-empty string")
-        return value
-
-
-def table_error(path: Path, table: str, key: str | None, message: str) -> ConfigError:
-    """A ConfigError naming path:line of [table] key (table "": a top-level key), for the code that reads one
-    table of tokq.toml itself instead of loading the whole project."""
-    return _Checker(Path(path), Path(path).read_text(encoding="utf-8")).fail(table, key, message)
-
-
 def load_project(path: Path) -> Project:
     """Read and check tokq.toml (see the module docstring)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: run `tokq init` for a commented starter")
     raw = load_config(path)
-    check = _Checker(path, path.read_text(encoding="utf-8"))
+    check = Checker(path, path.read_text(encoding="utf-8"))
     for key in raw:
         if key not in ("base", "variants", "data", "bench", "gate", "compare"):
             raise check.fail("", key, "is not a known table; known: base, variants, data, bench, gate, compare")
@@ -231,14 +223,21 @@ def load_project(path: Path) -> Project:
         workload.arrival_rate = float(rate)
     project.bench = workload
     gate = check.table(raw, "gate", {"quality", "speed"})
-    quality = check.table(gate, "gate.quality", set(QUALITY_RULES) | {"ci"})
-    if "ci" in quality:
-        if quality["ci"] not in ("bound", "point"):
-            raise check.fail("gate.quality", "ci", f"= {quality['ci']!r} must be \"bound\" (fail when the 95% CI's "
-                                                   "unfavourable bound crosses the threshold) or \"point\"")
-        project.quality_on = quality["ci"]
-    project.quality = _rules(check, {"quality": {k: v for k, v in quality.items() if k != "ci"}}, "gate.quality",
-                             QUALITY_RULES, buckets=True)
+    quality = check.table(gate, "gate.quality", set(QUALITY_RULES) | {"threshold_on", "ci"})
+    if "ci" in quality:  # the key's former name: one name per concept now, as `tokq compare --threshold-on`
+        if "threshold_on" in quality:
+            raise check.fail("gate.quality", "ci", "and threshold_on are the same setting: keep threshold_on only")
+        log.warning(f"{path}: [gate.quality] ci is now called threshold_on (as `tokq compare --threshold-on`): "
+                    "rename it")
+        quality["threshold_on"] = quality.pop("ci")
+    if "threshold_on" in quality:
+        if quality["threshold_on"] not in ("bound", "point"):
+            raise check.fail("gate.quality", "threshold_on", f"= {quality['threshold_on']!r} must be \"bound\" (fail "
+                                                             "when the 95% CI's unfavourable bound crosses the "
+                                                             "threshold) or \"point\"")
+        project.threshold_on = quality["threshold_on"]
+    project.quality = _rules(check, {"quality": {k: v for k, v in quality.items() if k != "threshold_on"}},
+                             "gate.quality", QUALITY_RULES, buckets=True)
     project.speed = _rules(check, gate, "gate.speed", SPEED_RULES, buckets=False)
     if not project.quality and not project.speed:
         table = next((t for t in ("gate.quality", "gate.speed") if check.line_of(t)), "gate.quality")
@@ -258,15 +257,13 @@ def load_project(path: Path) -> Project:
 def _base_model(path: Path, model: str) -> str:
     """A zoo name stays one; anything else is a checkpoint directory, made absolute against tokq.toml's folder
     (never the working directory, and never looked up as a [variants] name)."""
-    from tokq.zoo import ZOO
-
     if model in ZOO:
         return model
     folder = Path(model).expanduser()
     return os.path.normpath(folder if folder.is_absolute() else path.absolute().parent / folder)
 
 
-def _variant(check: _Checker, path: Path, name: str, entry: Any) -> Variant:
+def _variant(check: Checker, path: Path, name: str, entry: Any) -> Variant:
     if isinstance(entry, str):
         entry = {"path": entry}
     if not isinstance(entry, dict):
@@ -290,10 +287,8 @@ def _variant(check: _Checker, path: Path, name: str, entry: Any) -> Variant:
     return Variant(name, target, recipe)
 
 
-def _check_recipe(check: _Checker, name: str, recipe: dict) -> None:
+def _check_recipe(check: Checker, name: str, recipe: dict) -> None:
     """Every recipe key is a `tokq quantize` option the gate may pass, with a value of its type."""
-    from tokq.commands.quantize import recipe_options
-
     options = recipe_options()
     for key, value in recipe.items():
         option = options.get(key)
@@ -312,7 +307,7 @@ def _check_recipe(check: _Checker, name: str, recipe: dict) -> None:
                                            f"{', '.join(METHODS)}")
 
 
-def _data_set(check: _Checker, path: Path, name: str, entry: dict) -> DataSet:
+def _data_set(check: Checker, path: Path, name: str, entry: dict) -> DataSet:
     table = f"data.{name}"
     for key in entry:
         if key not in DATA_KEYS:
@@ -333,7 +328,7 @@ def _data_set(check: _Checker, path: Path, name: str, entry: dict) -> DataSet:
     return data
 
 
-def _rules(check: _Checker, gate: dict, table: str, known: dict[str, str], buckets: bool) -> list[Rule]:
+def _rules(check: Checker, gate: dict, table: str, known: dict[str, str], buckets: bool) -> list[Rule]:
     entries = check.table(gate, table, set(known))
     rules = []
     labels = _bucket_labels() if buckets else []
@@ -351,7 +346,7 @@ def _rules(check: _Checker, gate: dict, table: str, known: dict[str, str], bucke
 
 
 def _bucket_labels() -> list[str]:
-    from tokq.evalsuite.stats import POSITION_BUCKETS
+    from tokq.evalsuite.stats.aggregation import POSITION_BUCKETS
 
     return [label for _, _, label in POSITION_BUCKETS]
 
@@ -362,14 +357,11 @@ def compare_thresholds(path: Path) -> dict[str, dict[str | None, float]]:
     not a finite number is an error naming file:line, before any scoring."""
     path = Path(path)
     raw = load_config(path)
-    check = _Checker(path, path.read_text(encoding="utf-8"))
+    check = Checker(path, path.read_text(encoding="utf-8"))
     out: dict[str, dict[str | None, float]] = {}
     for rule in _rules(check, check.table(raw, "compare"), "compare.thresholds", QUALITY_RULES, buckets=True):
         out.setdefault(rule.name, {})[rule.bucket] = rule.threshold
     return out
-
-# Rules whose metric is not split by position: the retrieval probes' flip rate is one number per run.
-UNBUCKETED_RULES = {"max_flip_rate"}
 
 
 def bucket_problem(rule: str, bucket: str, labels: list[str] | None = None) -> str | None:
@@ -386,50 +378,3 @@ def bucket_problem(rule: str, bucket: str, labels: list[str] | None = None) -> s
         return f"names bucket {bucket!r}, which is not a position bucket; use overall or one of {', '.join(labels)}"
     return None
 
-
-STARTER = '''# tokq.toml: what `tokq gate` checks before a quantized build may ship.
-# Paths are relative to this file. Every key below is optional except [base] model.
-
-[base]
-model = "smollm2-135m"        # zoo name (`tokq models list`) or a checkpoint directory
-dtype = "auto"                # compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16
-
-[variants]
-# A checkpoint, or a recipe `tokq quantize` can rebuild (method, scheme, group_size, ...):
-int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme = "w4a16", group_size = 64 } }
-# w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }
-
-[data.default]
-path = "~/.cache/tokq/data/default"   # your long documents (txt, md, rst, jsonl, .gz; parquet, arrow)
-window = 2048                          # tokens per scored window
-sample_windows = 16                    # windows spread evenly over the documents
-probe_repeats = 2                      # passkey probes per (context, depth): 2 contexts x 5 depths x 2 = 20
-# max_doc_mb = 64                      # skip a document (a file, a .jsonl line, a table row) over 64 MiB
-# max_file_mb = 1024                   # skip a file holding more than 1024 MiB, decompressed
-
-[bench]
-prompt_len = 512
-gen_len = 256
-concurrency = 16
-# arrival_rate = 4.0          # Poisson arrivals per second (default: all at once)
-max_seconds = 60              # paired speed experiment per variant: base and variant alternate every few steps;
-                              # a speed rule passes when its whole 95% interval meets it, fails when the whole
-                              # interval misses it, and is "inconclusive" (exit 3) otherwise
-
-[gate.quality]
-# A rule fails when the 95% confidence interval's unfavourable bound crosses it
-# (ci = "point": when the estimate does; the CI is still reported).
-ci = "bound"
-max_kl = 0.05                 # mean KL(base || variant), or per bucket: { overall = 0.05, "4K-8K" = 0.1 }
-min_top1 = 0.85               # top-1 agreement with the base
-max_ppl_ratio = 1.10          # perplexity ratio variant / base
-max_flip_rate = 0.20          # passkey probes the base answers and the variant misses (exact upper bound:
-                              # 0.20 needs >= 17 probes even with no flip; the gate refuses fewer)
-
-[gate.speed]
-min_tpot_speedup = 1.2        # TPOT(base) / TPOT(variant) on the [bench] workload
-max_ttft_p50_ratio = 1.5      # median TTFT variant / base (prefill regressions)
-# min_throughput_speedup = 1.0
-# max_memory_ratio = 0.8       # (weights + KV cache) variant / base
-# max_weights_ratio = 0.5      # weights alone
-'''

@@ -52,3 +52,9 @@ def kv_dtype_of(name: str | torch.dtype) -> torch.dtype:
     if name not in KV_DTYPE_NAMES:
         raise ValueError(f"KV cache dtype {name!r} is not known ({', '.join(KV_DTYPE_NAMES)})")
     return KV_DTYPE_NAMES[name]
+
+
+def compute_dtype_name(dtype: str, device: str) -> str:
+    """The compute dtype a run uses: "auto" is fp16 on CUDA (tensor cores, the serving default) and bf16 on CPU
+    (fp16 matmuls there are slow and overflow-prone); any other name as given."""
+    return dtype if dtype != "auto" else ("fp16" if str(device).startswith("cuda") else "bf16")

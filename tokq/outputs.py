@@ -47,11 +47,14 @@ def _legacy_report(folder: Path, entries: set[str]) -> bool:
 
 
 _WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+# The tokenizer files a checkpoint carries beside its weights (quantize.formats.compressed_tensors copies them).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
 
 
 def _checkpoint_files(entries: set[str], extra: set[str]) -> bool:
-    from tokq.quantize.formats.compressed_tensors import TOKENIZER_FILES
-
     known = {"config.json", *TOKENIZER_FILES, *extra}
     return all(e in known or _WEIGHTS.fullmatch(e) for e in entries)
 

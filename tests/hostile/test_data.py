@@ -46,7 +46,7 @@ _CHILD = textwrap.dedent("""
     from tokq.longctx.documents import load_documents
     kwargs = json.loads(sys.argv[2])
     if "limits" in kwargs:
-        from tokq.longctx.documents import ReadLimits
+        from tokq.longctx.read_limits import ReadLimits
         kwargs["limits"] = ReadLimits(**kwargs["limits"])
     start = time.perf_counter()
     try:
@@ -207,7 +207,7 @@ def test_oversized_plain_file_is_skipped_before_reading(tmp_path: Path) -> None:
     (tmp_path / "ok.txt").write_text(PROSE)
     with (tmp_path / "huge.txt").open("wb") as f:
         f.truncate(3 * MIB)
-    from tokq.longctx.documents import ReadLimits
+    from tokq.longctx.read_limits import ReadLimits
 
     docs = load_documents(tmp_path, limits=ReadLimits(max_doc_bytes=MIB))
     assert [d.doc_id for d in docs] == ["ok.txt"]

@@ -17,7 +17,7 @@ import pytest
 
 from tests.hostile.conftest import write_word_docs
 from tokq.cli import main
-from tokq.project import find_variant, tomllib  # tomllib, or tomli before Python 3.11
+from tokq.config import find_variant, tomllib  # tomllib, or tomli before Python 3.11
 
 MARKER = ".tokq-owner.json"
 
@@ -179,7 +179,8 @@ def test_default_set_rebuild_replaces_its_own_and_an_earlier_tokq_set(tmp_path):
     """Hostile (the other side): a set tokq built, and one built by a tokq without markers (MANIFEST.json and
     the documents it lists), are rebuilt; the same set with a user file added is not."""
     from tokq.errors import ConfigError
-    from tokq.longctx.default_set import SourceSpec, build_default_set
+    from tokq.longctx.default_set import build_default_set
+    from tokq.longctx.default_sources import SourceSpec
 
     root = tmp_path / "src"
     (root / "sub").mkdir(parents=True)
@@ -238,7 +239,7 @@ def test_second_quantize_on_the_same_out_fails_fast(capsys, checkpoint, project,
 
 SLOW_QUANTIZE = textwrap.dedent("""
     import sys, time
-    import tokq.quantize.pipeline as api
+    import tokq.quantize.pipeline as pipeline
     real = pipeline.quantize_model
     def slow(*args, **kwargs):
         time.sleep(8)

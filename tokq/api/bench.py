@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokq import __version__
-from tokq.api.settings import BenchSettings, settings_from
+from tokq.settings import BenchSettings, settings_from
 
 console = Console(stderr=True)
 
@@ -83,7 +83,9 @@ def run_bench(variants: list[str], s: BenchSettings, runtime) -> BenchResult:
     if len(vocab) > 1:
         raise ConfigError(f"the variants have different vocabularies ({sorted(vocab)}): compare variants of one "
                           "model")
-    compute = s.dtype if s.dtype != "auto" else ("fp16" if runtime.device.startswith("cuda") else "bf16")
+    from tokq.dtypes import compute_dtype_name
+
+    compute = compute_dtype_name(s.dtype, runtime.device)
     doc_tokens = _document_tokens(Path(s.data), checkpoints[variants[0]]) if s.data else None
     prompts = workload.prompts(vocab.pop(), doc_tokens)
     engine_kwargs = dict(kv_dtype=s.kv_dtype, max_num_seqs=s.concurrency,

@@ -14,8 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tokq.api.settings import CompareSettings, settings_from
 from tokq.errors import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_OK
+from tokq.settings import CompareSettings, settings_from
 
 console = Console(stderr=True)
 BASE_NAMES = ("fp16", "bf16", "base")
@@ -71,8 +71,8 @@ class CompareResult:
 def resolve_variant(name: str, other: str | None = None) -> Path:
     """A variant name, zoo name or path; `fp16` / `bf16` / `base` (when tokq.toml does not define them) name
     the 16-bit model the other side was quantized from (its tokq_quantization.json records it)."""
+    from tokq.config import find_variant
     from tokq.errors import ConfigError
-    from tokq.project import find_variant
     from tokq.zoo import resolve_model
 
     if name in BASE_NAMES and find_variant(name) is None:
@@ -115,8 +115,7 @@ def resolve_data(data: str | Path | None) -> tuple[Path | None, dict]:
     folder = Path(data).expanduser()
     if folder.is_dir() or isinstance(data, Path) or "/" in str(data):
         return folder, {}
-    from tokq.config import load_project
-    from tokq.project import find_config
+    from tokq.config import find_config, load_project
 
     config = find_config()
     project = load_project(config) if config is not None else None
@@ -140,8 +139,9 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     from tokq.engine.tokenizer import check_windows_fit, load_tokenizer, model_adds_bos
     from tokq.errors import ConfigError, DataError
     from tokq.evalsuite.compare import ModelRun, ScoringPlan, run_compare, token_window_docs
-    from tokq.longctx.documents import load_documents, read_limits
+    from tokq.longctx.documents import load_documents
     from tokq.longctx.probes import evenly_spaced_depths
+    from tokq.longctx.read_limits import read_limits
     from tokq.longctx.windows import as_text_encoder, build_windows
     from tokq.paths import data_dir
 
@@ -192,7 +192,9 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     console.print(f"{len(windows.windows)} windows from {len(used)} documents ({shorter} shorter than a window, "
                   f"used whole; {len(used) - shorter} longer, windowed by {windows.stride}); "
                   f"{len(windows.dropped_documents)} too short to score", highlight=False)
-    compute = s.dtype if s.dtype != "auto" else ("fp16" if runtime.device.startswith("cuda") else "bf16")
+    from tokq.dtypes import compute_dtype_name
+
+    compute = compute_dtype_name(s.dtype, runtime.device)
     budget = parse_bytes(s.kv_memory) if s.kv_memory else None
     probe_ctx = min(s.probe_max_context or window, context)
     engine_len = max(window, probe_ctx + 16)

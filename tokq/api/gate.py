@@ -62,9 +62,8 @@ def gate(config: str | Path | None = None, *, variants: list[str] | None = None,
     `data` is a [data.NAME] set name or a folder (default: the first set). Bad input raises tokq.errors.TokqError
     (ConfigError names the tokq.toml line); the verdict is in the result, never an exception.
     """
-    from tokq.config import load_project
+    from tokq.config import find_config, load_project
     from tokq.outputs import REPORT, output_lock, remove_owned
-    from tokq.project import find_config
     from tokq.reports.folder import check_report_folder
     from tokq.runtime import setup_runtime
 
@@ -238,9 +237,10 @@ def _checkpoint(project, name: str, threads: int | None) -> Path:
 
 def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | None) -> Path:
     from tokq.api.quantize import run_quantize
-    from tokq.api.settings import QuantizeSettings
     from tokq.evalsuite.baseline_cache import model_hash
     from tokq.quantize.pipeline import recipe_sha256, recorded_recipe_sha256
+    from tokq.quantize.recipe import split_recipe
+    from tokq.settings import QuantizeSettings
 
     base = base_checkpoint(project)
     wanted = recipe_sha256(recipe, model_hash(base))
@@ -251,7 +251,7 @@ def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | 
         console.print(escape(f"variant {name}: {target} follows its recipe (sha256 {wanted[:12]}); reusing it"),
                       highlight=False, soft_wrap=True)
         return target
-    settings = dict(recipe)
+    settings, runtime_keys = split_recipe(recipe)
     if "calib" in settings:  # a folder, relative to tokq.toml like every path in it
         calib = Path(settings["calib"]).expanduser()
         settings["calib"] = calib if calib.is_absolute() else project.path.parent / calib
@@ -263,7 +263,7 @@ def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | 
     try:
         # force: save_quantized replaces the old checkpoint only once the new one is complete
         run_quantize(str(base), target, QuantizeSettings(**settings), force=recorded is not None,
-                     recipe_sha256=wanted, threads=threads)
+                     recipe_sha256=wanted, threads=threads, device=runtime_keys.get("device", "auto"))
     except TokqError as exc:
         raise project.error("variants", name, f"has a recipe that failed ({exc.message}): fix the recipe") from None
     return target
@@ -278,13 +278,13 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
     from dataclasses import replace
 
     from tokq.api.compare import data_set_settings, run_compare_settings
-    from tokq.api.settings import CompareSettings
     from tokq.evalsuite.gate_rules import overall_result, quality_thresholds, speed_verdicts
+    from tokq.settings import CompareSettings
 
     console.print(f"[bold]gate {escape(name)}[/]: quality on {escape(f'[data.{data.name}]')}", highlight=False)
     folder, keys = data_set_settings(data)
     settings = replace(CompareSettings(**keys), thresholds=quality_thresholds(project.quality),
-                       threshold_on=project.quality_on, dtype=project.dtype, seed=seed)
+                       threshold_on=project.threshold_on, dtype=project.dtype, seed=seed)
     quality = run_compare_settings(str(base), str(checkpoint), folder, settings, runtime).data
     quality["a"]["name"], quality["b"]["name"] = display_name(project.base), name  # names, never absolute paths
     rules = [{"kind": "quality", **t, "result": t.get("result") or (

@@ -24,7 +24,9 @@ def paired_bench(project, checkpoint: Path, base: Path, runtime, seed: int) -> d
     w = project.bench
     workload = Workload(w.prompt_len, w.gen_len, w.num_prompts or w.concurrency, w.gen_len_range,
                         w.arrival_rate or float("inf"), seed)
-    compute = project.dtype if project.dtype != "auto" else ("fp16" if runtime.device.startswith("cuda") else "bf16")
+    from tokq.dtypes import compute_dtype_name
+
+    compute = compute_dtype_name(project.dtype, runtime.device)
     bandwidth = copy_bandwidth(runtime.device)["gbps_median"]
     models = {"base": load_model(base, dtype=compute, device=runtime.device),
               "variant": load_model(checkpoint, dtype=compute, device=runtime.device)}

@@ -25,8 +25,8 @@ from rich.progress import (
 )
 
 from tokq import __version__
-from tokq.api.settings import QuantizeSettings, settings_from
 from tokq.errors import ConfigError
+from tokq.settings import QuantizeSettings, settings_from
 
 console = Console(stderr=True)
 
@@ -97,12 +97,13 @@ def quantize(model: str | Path, *, method: str, out: str | Path, scheme: str | N
 def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = False, name: str | None = None,
                  recipe_sha256: str | None = None, threads: int | None = None, device: str = "auto") -> QuantizeResult:
     """`quantize` on a settings object (the CLI and the gate build one); prints progress and notes only."""
-    from tokq.project import check_recordable, check_variant_name, record_variant, variants_file
-    from tokq.engine.checkpoint import load_model, parse_dtype
+    from tokq.config_edit import check_recordable, check_variant_name, record_variant, variants_file
+    from tokq.dtypes import parse_dtype
+    from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
     from tokq.errors import DataError
-    from tokq.longctx.documents import read_limits
+    from tokq.longctx.read_limits import read_limits
     from tokq.outputs import CHECKPOINT, check_replaceable, output_lock
     from tokq.paths import data_dir
     from tokq.quantize.calibration import calibration_samples

@@ -44,9 +44,9 @@ def bench_cmd(
 ) -> None:
     """Serve one workload with each variant (and mode) on tokq's engine and print one table."""
     from tokq.api.bench import run_bench
-    from tokq.api.settings import BenchSettings
     from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
+    from tokq.settings import BenchSettings
 
     check_json_target(json_path)  # refused before the benchmark, not after
     runtime = setup_runtime(threads, device, seed)

@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from tokq.longctx.documents import (
+from tokq.longctx.read_limits import (
     DEFAULT_MAX_DOC_MB,
     DEFAULT_MAX_FILE_MB,
     MAX_DOC_MB_HELP,
@@ -48,8 +48,7 @@ def _thresholds(values: dict[str, list[str]]) -> dict[str, dict[str | None, floa
 def thresholds_from_config() -> dict[str, dict[str | None, float]]:
     """`[compare.thresholds]` of tokq.toml: max_kl = 0.05, or max_kl = { overall = 0.05, "4K-8K" = 0.1 }, checked
     as the gate checks it (config.compare_thresholds: errors name file:line)."""
-    from tokq.config import compare_thresholds
-    from tokq.project import find_config
+    from tokq.config import compare_thresholds, find_config
 
     path = find_config()
     return {} if path is None else compare_thresholds(path)
@@ -112,9 +111,9 @@ def compare_cmd(
     from dataclasses import fields
 
     from tokq.api.compare import resolve_data, run_compare_settings
-    from tokq.api.settings import CompareSettings
     from tokq.reports.json_io import check_json_target
     from tokq.runtime import setup_runtime
+    from tokq.settings import CompareSettings
 
     check_json_target(json_path)  # refused before minutes of scoring, not after
     runtime = setup_runtime(threads, device, seed)

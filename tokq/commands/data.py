@@ -18,13 +18,12 @@ from rich.table import Table
 
 from tokq.errors import DataError
 from tokq.longctx.default_set import DefaultSetSummary, build_default_set, read_default_set
-from tokq.longctx.documents import (
+from tokq.longctx.documents import Document, load_documents
+from tokq.longctx.read_limits import (
     DEFAULT_MAX_DOC_MB,
     DEFAULT_MAX_FILE_MB,
     MAX_DOC_MB_HELP,
     MAX_FILE_MB_HELP,
-    Document,
-    load_documents,
     read_limits,
 )
 from tokq.longctx.windows import TextEncoder, as_text_encoder, build_windows, tokenize_documents

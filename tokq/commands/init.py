@@ -15,7 +15,8 @@ def init_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an existing file."),
 ) -> None:
     """Write a commented starter tokq.toml to edit (it refuses to replace one unless --force)."""
-    from tokq.config import STARTER, load_project
+    from tokq.config import load_project
+    from tokq.config_starter import STARTER
     from tokq.errors import ConfigError
     from tokq.paths import atomic_write_text, data_dir
 

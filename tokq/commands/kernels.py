@@ -22,9 +22,10 @@ console = Console(stderr=True)
 
 def kernel_rows(model) -> list[dict]:
     """One row per distinct (layer kind, shape, format): the kernel chosen and why higher-priority ones were not."""
+    from tokq.dtypes import DTYPE_NAMES
     from tokq.engine.layers import Linear
     from tokq.engine.quant_linear import QuantizedLinearMethod
-    from tokq.kernels.problem import DTYPE_NAMES, LinearProblem
+    from tokq.kernels.problem import LinearProblem
     from tokq.kernels.registry import explain
 
     rows: dict[tuple, dict] = {}
@@ -58,8 +59,8 @@ def kernel_rows(model) -> list[dict]:
 
 def attention_rows(model, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int = 16) -> list[dict]:
     """One row per distinct attention layer kind (global, sliding window): the paged-attention kernel chosen."""
+    from tokq.dtypes import dtype_name
     from tokq.kernels.attention import AttentionProblem
-    from tokq.kernels.paged import dtype_name
     from tokq.kernels.registry import choose, explain
 
     config = model.config
@@ -111,7 +112,7 @@ def list_cmd(
         Selection.from_env()
     except KernelError as exc:
         raise ConfigError(str(exc)) from exc
-    from tokq.kernels.paged import kv_dtype_of
+    from tokq.dtypes import kv_dtype_of
 
     try:
         kv = kv_dtype_of(dtype if kv_dtype == "auto" else kv_dtype)

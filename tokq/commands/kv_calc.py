@@ -15,8 +15,8 @@ console = Console(stderr=True)
 
 def kv_plan(config, kv_dtype, context: int, seqs: int, block_size: int, budget: int | None) -> dict:
     """Every number kv-calc prints, as data (bytes)."""
+    from tokq.dtypes import dtype_name
     from tokq.engine.kv_cache import KVCacheSpec
-    from tokq.kernels.paged import dtype_name
 
     spec = KVCacheSpec.of(config, kv_dtype, block_size)
     per_token = spec.bytes_per_token

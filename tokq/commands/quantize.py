@@ -3,24 +3,25 @@
 The work is `tokq.api.quantize.run_quantize` (also `tokq.quantize(...)` from Python); this module parses the
 options into QuantizeSettings and prints the summary table.
 
-`tokq gate` builds a variant from its tokq.toml recipe by calling this command: `recipe_options` maps recipe
-keys to these options (read from the signature, so the two cannot drift apart), and the hidden
-`--recipe-sha256` records the recipe's hash in tokq_quantization.json, written with the checkpoint.
+Each QuantizeSettings field is the option of the same name here and a tokq.toml recipe key
+(tests/test_recipe.py keeps them in step). The hidden `--recipe-sha256` records a recipe's hash in
+tokq_quantization.json (the gate passes it to the API directly).
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
-from typing import Any, get_type_hints
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB, MAX_DOC_MB_HELP, MAX_FILE_MB_HELP
+from tokq.longctx.read_limits import (
+    DEFAULT_MAX_DOC_MB,
+    DEFAULT_MAX_FILE_MB,
+    MAX_DOC_MB_HELP,
+    MAX_FILE_MB_HELP,
+)
 
 console = Console(stderr=True)
 
@@ -66,8 +67,8 @@ def quantize_cmd(
 ) -> None:
     """Quantize MODEL with METHOD and write a checkpoint that tokq, vLLM and HF transformers load."""
     from tokq.api.quantize import run_quantize
-    from tokq.api.settings import QuantizeSettings
     from tokq.reports.json_io import check_json_target, write_json
+    from tokq.settings import QuantizeSettings
 
     check_json_target(json_path)  # refused before the quantization, not after
     settings = QuantizeSettings(method=method, scheme=scheme, bits=bits, group_size=group_size, sym=sym,
@@ -97,49 +98,3 @@ def _print_summary(result) -> None:
     table.add_row("size on disk", f"{_mib(disk)} ({disk / dense:.2f}x the 16-bit model's {_mib(dense)})")
     Console().print(table)
 
-
-# Options a recipe cannot set: the gate sets them (model, out, force, threads, the recipe hash), or they would
-# write somewhere else (name edits tokq.toml, json writes a run record).
-_GATE_SETS = {"model", "out", "force", "threads", "recipe_sha256", "name", "json_path"}
-
-
-@dataclass(frozen=True)
-class RecipeOption:
-    """One `tokq quantize` option as a tokq.toml recipe key: group_size = 64 -> --group-size 64."""
-
-    key: str
-    flag: str
-    off_flag: str | None  # booleans: the flag that turns it off (--asym, --no-act-order)
-    kind: type  # bool, int, float or str
-
-    def accepts(self, value: Any) -> bool:
-        if self.kind is bool or isinstance(value, bool):
-            return self.kind is bool and isinstance(value, bool)
-        if self.kind is int:
-            return isinstance(value, int)
-        if self.kind is float:
-            return isinstance(value, (int, float))
-        return isinstance(value, (str, int, float)) and str(value) != ""
-
-    def describe(self) -> str:
-        return {bool: "true or false", int: "an integer", float: "a number"}.get(self.kind, "a string")
-
-    def args(self, value: Any) -> list[str]:
-        if self.off_flag is not None:
-            return [self.flag if value else self.off_flag]
-        return [self.flag, str(value)]
-
-
-@cache
-def recipe_options() -> dict[str, RecipeOption]:
-    """Recipe key -> option, read from `quantize_cmd`'s own signature (key: the flag without dashes)."""
-    hints = get_type_hints(quantize_cmd)
-    options = {}
-    for param, spec in inspect.signature(quantize_cmd).parameters.items():
-        if param in _GATE_SETS:
-            continue
-        flag, _, off_flag = spec.default.param_decls[0].partition("/")
-        key = flag.removeprefix("--").replace("-", "_")
-        kind = hints[param] if hints[param] in (bool, int, float) else str
-        options[key] = RecipeOption(key, flag, off_flag or None, kind)
-    return options

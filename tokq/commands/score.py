@@ -10,7 +10,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tokq import __version__
-from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB, MAX_DOC_MB_HELP, MAX_FILE_MB_HELP
+from tokq.longctx.read_limits import (
+    DEFAULT_MAX_DOC_MB,
+    DEFAULT_MAX_FILE_MB,
+    MAX_DOC_MB_HELP,
+    MAX_FILE_MB_HELP,
+)
 
 console = Console(stderr=True)
 
@@ -39,7 +44,8 @@ def score_cmd(
     from tokq.engine.tokenizer import check_windows_fit, load_tokenizer, model_adds_bos
     from tokq.errors import DataError, ModelError
     from tokq.evalsuite.perplexity import score_windows
-    from tokq.longctx.documents import load_documents, read_limits
+    from tokq.longctx.documents import load_documents
+    from tokq.longctx.read_limits import read_limits
     from tokq.longctx.windows import as_text_encoder, build_windows
     from tokq.paths import data_dir
     from tokq.reports.json_io import check_json_target, write_json

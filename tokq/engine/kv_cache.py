@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tokq.dtypes import kv_dtype_of
 from tokq.engine.config import ModelConfig
 from tokq.errors import ConfigError
-from tokq.kernels.paged import kv_dtype_of
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MEMORY_FRACTION = 0.8
-# The engine's cache dtypes: kernels/paged.py's names minus int8, which needs calibrated per-head scales
+# The engine's cache dtypes: tokq.dtypes.KV_DTYPE_NAMES minus int8, which needs calibrated per-head scales
 # the engine does not have yet (fp8 runs with scale 1).
 ENGINE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,

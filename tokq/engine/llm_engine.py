@@ -1,5 +1,7 @@
 """`LLMEngine`: requests in, tokens (or scores) out, through the scheduler, the paged cache and the model.
 
+Over 400 lines: one class whose request, step, scoring and metrics methods share its scheduler, cache and runner.
+
     engine = LLMEngine(model, EngineConfig(kv_memory=512 << 20), tokenizer)
     outputs = engine.generate(["Once upon a time"], SamplingParams(max_tokens=32))
     scores = engine.score([window_token_ids], topk=20)
@@ -7,7 +9,10 @@
 `add_request` / `step` are the streaming interface: each step returns the tokens it produced. A
 request that cannot be served (prompt longer than the context, sampling parameters out of range, a
 stop string without a tokenizer, more tokens than the whole cache holds) is refused in add_request
-with a clear error, and the requests already running carry on.
+with a clear error, and the requests already running carry on. `check_request` (and `check_window` for
+scoring) make the same checks without queueing anything, so a caller can check a whole batch before any
+of it runs. The rules themselves (validation, stops, outputs) live in `tokq.engine.requests`, shared
+with speculative decoding.
 
 `score(windows)` runs each window as a prompt through chunked prefill into the paged cache and keeps,
 at every position, the log-probability of the actual next token and the top-k log-probabilities.
@@ -37,18 +42,27 @@ from tokq.engine.kv_cache import (
 )
 from tokq.engine.metrics import RequestMetrics, RunMetrics, peak_memory_bytes
 from tokq.engine.models import CausalLM
+from tokq.engine.requests import (  # EngineError and RequestOutput are re-exported: they are the engine's API
+    EngineError,
+    RequestOutput,
+    check_blocks,
+    finish,
+    pair_params,
+    prompt_tokens,
+    prompt_too_long,
+    record_token,
+    request_output,
+    stop_reason,
+    validate_request,
+)
 from tokq.engine.runner import ModelRunner
-from tokq.engine.sampling import SamplingParams, check_stop, make_generator, sample, truncate_at_stop_string
+from tokq.engine.sampling import SamplingParams, make_generator, sample
 from tokq.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tokq.engine.sequence import ScoreRequest, Sequence, Status
 from tokq.engine.tokenizer import check_token_ids
-from tokq.errors import ModelError, TokqError
+from tokq.errors import ModelError
 
 SCORE_LOGITS_CHUNK = 256  # rows of full-vocabulary logits at a time (256 x 262K x 4 B = 268 MB at most)
-
-
-class EngineError(TokqError):
-    """A request or engine setting that cannot be served: the message names it and the fix."""
 
 
 @dataclass(frozen=True)
@@ -75,16 +89,6 @@ class StepOutput:
 
 
 @dataclass
-class RequestOutput:
-    seq_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    metrics: RequestMetrics
-
-
-@dataclass
 class WindowScores:
     """Per position p < len(window) - 1: log P(window[p + 1] | window[:p + 1]) and the top-k at p."""
 
@@ -95,6 +99,11 @@ class WindowScores:
     decode_from: int | None = None
     gathered: torch.Tensor | None = None  # fp32 [L - 1, k]: log-probabilities at the requested gather_ids
     full_logprobs: torch.Tensor | None = None  # fp32 [rows set in full_rows, vocab], in position order
+
+    @property
+    def nll(self) -> torch.Tensor:
+        """Per position, the negative log-likelihood of the actual next token (fp32 [L - 1])."""
+        return -self.logprobs
 
 
 def _full_logprobs(score: ScoreRequest, vocab: int) -> torch.Tensor | None:
@@ -180,43 +189,10 @@ class LLMEngine:
 
     # Requests -------------------------------------------------------------------------------------
 
-    def _tokens(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise EngineError("a text prompt needs a tokenizer: pass token ids or give the engine one")
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if isinstance(prompt, torch.Tensor):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        return [int(t) for t in prompt]
-
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, truncate: bool = False,
                     score: ScoreRequest | None = None, arrival_time: float | None = None) -> int:
         """Queue a request; returns its id. Raises EngineError (or SamplingError) for one that cannot be served."""
-        params = params or SamplingParams()
-        params.validate()
-        if params.stop and self.tokenizer is None:
-            raise EngineError(f"stop strings {list(params.stop)} need a tokenizer to read the output: give the engine "
-                              "the model's tokenizer or use stop_token_ids")
-        tokens = self._tokens(prompt)
-        if not tokens:
-            raise EngineError("the prompt is empty: give at least one token")
-        try:
-            check_token_ids(tokens, self.model.config.vocab_size, self.model.name, self.tokenizer)
-        except ModelError as exc:
-            raise EngineError(f"the prompt's {exc.message}") from None
-        new_tokens = 0 if score is not None else params.max_tokens
-        limit = self.max_model_len - new_tokens
-        if len(tokens) > limit:
-            if not truncate or score is not None or limit < 1:
-                raise EngineError(
-                    f"the prompt has {len(tokens)} tokens; with max_tokens {new_tokens} the model's context of "
-                    f"{self.max_model_len} leaves room for {max(limit, 0)}: shorten it, lower max_tokens, or pass "
-                    "truncate=True (keeps the prompt's end)")
-            tokens = tokens[-limit:]
-        need = self._blocks_per_seq(len(tokens) + new_tokens)
-        if need > self.num_blocks:
-            raise EngineError(f"the request needs {need} KV blocks but the cache has {self.num_blocks}: raise "
-                              "--kv-memory or shorten the request")
+        params, tokens = self.check_request(prompt, params, truncate=truncate, score=score is not None)
         seq = Sequence(self._next_id, tokens, params, score=score,
                        generator=make_generator(params.seed, self.model.device))
         if arrival_time is not None:
@@ -225,6 +201,21 @@ class LLMEngine:
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def check_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, truncate: bool = False,
+                      score: bool = False) -> tuple[SamplingParams, list[int]]:
+        """What add_request would queue, (params, prompt token ids), queueing nothing: raises EngineError (or
+        SamplingError) for a request that cannot be served. `score`: a prompt to score (no new tokens)."""
+        params, tokens = validate_request(prompt, params, self.model, self.tokenizer)
+        new_tokens = 0 if score else params.max_tokens
+        limit = self.max_model_len - new_tokens
+        if len(tokens) > limit:
+            if not truncate or score or limit < 1:
+                raise prompt_too_long(len(tokens), new_tokens, f"the model's context of {self.max_model_len}", limit,
+                                      "shorten it, lower max_tokens, or pass truncate=True (keeps the prompt's end)")
+            tokens = tokens[-limit:]
+        check_blocks(self._blocks_per_seq(len(tokens) + new_tokens), self.num_blocks)
+        return params, tokens
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -276,11 +267,8 @@ class LLMEngine:
             tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers]).tolist()
             now = time.perf_counter()
             for seq, token in zip(samplers, tokens, strict=True):
-                seq.token_ids.append(token)
-                seq.token_times.append(now)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                reason = self._stop_reason(seq)
+                record_token(seq, token, now)
+                reason = stop_reason(seq, self.tokenizer, self.eos_ids)
                 if reason:
                     self._finish(seq, reason, now)
                 outputs.append(StepOutput(seq.seq_id, [token], seq.is_finished, seq.finish_reason))
@@ -290,24 +278,8 @@ class LLMEngine:
                 outputs.append(StepOutput(seq.seq_id, [], True, "scored"))
         return outputs
 
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        params = seq.params
-        text = None
-        if params.stop:
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            text = seq.text
-        reason = check_stop(seq.token_ids, seq.num_prompt_tokens, params, None, text)
-        generated = seq.num_output_tokens
-        if reason != "stop" and not params.ignore_eos and generated >= params.min_tokens \
-                and seq.token_ids[-1] in self.eos_ids:
-            reason = "stop"
-        return reason
-
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        seq.finish_reason = reason
-        seq.finish_time = now
-        if seq.params.stop and seq.text:
-            seq.text, _ = truncate_at_stop_string(seq.text, seq.params.stop)
+        finish(seq, reason, now)
         self.scheduler.finish(seq)
         self._run.finished.append(seq)
 
@@ -351,10 +323,7 @@ class LLMEngine:
     def generate(self, prompts: Iterable[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, truncate: bool = False, progress: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion (all arriving now); outputs in the prompts' order."""
-        prompts = list(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise EngineError(f"{len(plist)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        prompts, plist = pair_params(prompts, params)
         ids = [self.add_request(p, sp, truncate=truncate) for p, sp in zip(prompts, plist, strict=True)]
         self._drain(ids, progress)
         return [self.output(i) for i in ids]
@@ -372,12 +341,7 @@ class LLMEngine:
                         return
 
     def output(self, seq_id: int) -> RequestOutput:
-        seq = self._seqs[seq_id]
-        text = seq.text
-        if not text and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        return RequestOutput(seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
-                             seq.finish_reason, RequestMetrics.of(seq))
+        return request_output(self._seqs[seq_id], self.tokenizer)
 
     def score(self, windows: Iterable[Seq[int] | torch.Tensor], topk: int = 0, decode_from: int | None = None,
               progress: Callable[[int], None] | None = None,
@@ -401,20 +365,7 @@ class LLMEngine:
             if len(given) != len(windows):
                 raise EngineError(f"{name} has {len(given)} entries for {len(windows)} windows: give one per window")
         for window, gather, full in zip(windows, gathers, fulls, strict=True):
-            tokens = self._tokens(window)
-            if len(tokens) < 2:
-                raise EngineError(f"a window of {len(tokens)} token(s) has nothing to score: give at least 2 tokens")
-            if gather is not None and (gather.dim() != 2 or gather.shape[0] != len(tokens) - 1):
-                raise EngineError(f"gather_ids for a window of {len(tokens)} tokens must be [{len(tokens) - 1}, k], "
-                                  f"got {tuple(gather.shape)}")
-            if gather is not None:
-                try:  # they index the log-probabilities: one beyond the vocabulary is an IndexError in torch
-                    check_token_ids(gather, self.model.config.vocab_size, self.model.name)
-                except ModelError as exc:
-                    raise EngineError(f"gather_ids: {exc.message}") from None
-            if full is not None and (full.dtype != torch.bool or full.shape != (len(tokens) - 1,)):
-                raise EngineError(f"full_rows for a window of {len(tokens)} tokens must be a bool [{len(tokens) - 1}] "
-                                  f"mask, got {full.dtype} {tuple(full.shape)}")
+            tokens = self.check_window(window, gather, full)
             ids.append(self.add_request(tokens, SamplingParams(max_tokens=0),
                                         score=ScoreRequest(topk=topk, decode_from=decode_from, gather_ids=gather,
                                                            full_rows=full)))
@@ -429,6 +380,27 @@ class LLMEngine:
                 decode_from, torch.cat(s.gathered) if s.gather_ids is not None else None,
                 _full_logprobs(s, self.model.config.vocab_size)))
         return results
+
+    def check_window(self, window: str | Seq[int] | torch.Tensor, gather_ids: torch.Tensor | None = None,
+                     full_rows: torch.Tensor | None = None) -> list[int]:
+        """The token ids `score` would run for one window, queueing nothing: raises EngineError for a window
+        (or its gather_ids / full_rows) that cannot be scored."""
+        tokens = prompt_tokens(window, self.tokenizer)
+        if len(tokens) < 2:
+            raise EngineError(f"a window of {len(tokens)} token(s) has nothing to score: give at least 2 tokens")
+        gather, full = gather_ids, full_rows
+        if gather is not None and (gather.dim() != 2 or gather.shape[0] != len(tokens) - 1):
+            raise EngineError(f"gather_ids for a window of {len(tokens)} tokens must be [{len(tokens) - 1}, k], "
+                              f"got {tuple(gather.shape)}")
+        if gather is not None:
+            try:  # they index the log-probabilities: one beyond the vocabulary is an IndexError in torch
+                check_token_ids(gather, self.model.config.vocab_size, self.model.name)
+            except ModelError as exc:
+                raise EngineError(f"gather_ids: {exc.message}") from None
+        if full is not None and (full.dtype != torch.bool or full.shape != (len(tokens) - 1,)):
+            raise EngineError(f"full_rows for a window of {len(tokens)} tokens must be a bool [{len(tokens) - 1}] "
+                              f"mask, got {full.dtype} {tuple(full.shape)}")
+        return self.check_request(tokens, SamplingParams(max_tokens=0), score=True)[1]
 
     def metrics(self, seq_ids: Iterable[int] | None = None) -> RunMetrics:
         """The run's metrics since the last reset_metrics (over the given requests, default: all finished)."""

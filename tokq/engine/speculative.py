@@ -1,5 +1,8 @@
 """Speculative decoding: a small draft model proposes tokens, the target model checks them all in one forward.
 
+Over 400 lines: admission, prefill, proposal, verification and rollback act on the same two caches; the
+docstring carries the algorithm and why its output keeps the target's distribution.
+
     decoder = SpeculativeDecoder(target_engine, draft_engine, num_speculative_tokens=4)
     outputs = decoder.generate([prompt_ids, ...], SamplingParams(max_tokens=64, temperature=0.7, seed=1))
     decoder.stats.acceptance_rate, decoder.stats.tokens_per_target_forward
@@ -43,6 +46,11 @@ token) in chunks of max_num_batched_tokens when admitted.
 Each seeded request owns one torch.Generator (`make_generator(seed)`), used in a fixed order for the
 draft's proposals, the acceptance uniforms and the residual/bonus draw: its output depends only on its
 seed, not on the batch around it.
+
+Requests are validated, stopped (stop ids and strings, eos, min_tokens, max_tokens) and reported
+(`RequestOutput`) by `tokq.engine.requests`, the rules `LLMEngine` applies, against the target's
+tokenizer and eos ids; only the context (the smaller of the two) and the KV need (both pools) are this
+module's own. A stop inside a step's accepted tokens cuts the step there.
 """
 
 from __future__ import annotations
@@ -59,19 +67,23 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tokq.engine.block_manager import BlockManager, WasteMeter
-from tokq.engine.llm_engine import EngineError, LLMEngine, RequestOutput
+from tokq.engine.llm_engine import LLMEngine
 from tokq.engine.metrics import RequestMetrics, RunMetrics, peak_memory_bytes
-from tokq.engine.sampling import (
-    SamplingParams,
-    check_stop,
-    make_generator,
-    processed_logprobs,
-    truncate_at_stop_string,
+from tokq.engine.requests import (
+    EngineError,
+    RequestOutput,
+    check_blocks,
+    finish,
+    pair_params,
+    prompt_too_long,
+    record_token,
+    request_output,
+    stop_reason,
+    validate_request,
 )
+from tokq.engine.sampling import SamplingParams, make_generator, processed_logprobs
 from tokq.engine.scheduler import ScheduledStep
 from tokq.engine.sequence import Sequence, Status
-from tokq.engine.tokenizer import check_token_ids
-from tokq.errors import ModelError
 
 logger = logging.getLogger("tokq")
 
@@ -218,44 +230,22 @@ class SpeculativeDecoder:
 
     # Requests -------------------------------------------------------------------------------------
 
-    def _tokens(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            tok = self.target.tokenizer
-            if tok is None:
-                raise EngineError("a text prompt needs a tokenizer: pass token ids or give the target engine one")
-            return list(tok(prompt, add_special_tokens=True)["input_ids"])
-        if isinstance(prompt, torch.Tensor):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        return [int(t) for t in prompt]
-
     def _request(self, prompt: str | Seq[int], params: SamplingParams | None, arrival: float) -> _Request:
         """Validate one request (the engine's rules, against both models) and build its two sequences."""
-        params = params or SamplingParams()
-        params.validate()
-        if params.stop and self.target.tokenizer is None:
-            raise EngineError(f"stop strings {list(params.stop)} need a tokenizer to read the output: give the "
-                              "target engine the model's tokenizer or use stop_token_ids")
-        tokens = self._tokens(prompt)
-        if not tokens:
-            raise EngineError("the prompt is empty: give at least one token")
-        try:
-            target = self.target
-            check_token_ids(tokens, target.model.config.vocab_size, target.model.name, target.tokenizer)
-        except ModelError as exc:
-            raise EngineError(f"the prompt's {exc.message}") from None
+        target = self.target
+        params, tokens = validate_request(prompt, params, target.model, target.tokenizer, who="the target engine")
         total = len(tokens) + params.max_tokens
         if total > self.max_model_len:
-            raise EngineError(
-                f"the prompt has {len(tokens)} tokens; with max_tokens {params.max_tokens} the context of "
-                f"{self.max_model_len} (the smaller of target's and draft's) leaves room for "
-                f"{max(self.max_model_len - params.max_tokens, 0)}: shorten it or lower max_tokens")
+            raise prompt_too_long(len(tokens), params.max_tokens,
+                                  f"the context of {self.max_model_len} (the smaller of target's and draft's)",
+                                  self.max_model_len - params.max_tokens, "shorten it or lower max_tokens")
         need: dict[int, int] = {}
         for engine in (self.target, self.draft):
             pool = id(engine.blocks)
+            # The whole request stays in both caches (no sliding-window freeing here); one engine serving as
+            # both target and draft holds it twice in its pool.
             need[pool] = need.get(pool, 0) + engine.kv_spec.blocks_for(total)
-            if need[pool] > engine.num_blocks:
-                raise EngineError(f"the request needs {need[pool]} KV blocks but the cache has {engine.num_blocks}: "
-                                  "raise --kv-memory or shorten the request")
+            check_blocks(need[pool], engine.num_blocks)
         seq_id = self._next_id
         self._next_id += 1
         # Distinct ids, so that one engine serving as both target and draft keeps the two apart.
@@ -406,13 +396,10 @@ class SpeculativeDecoder:
             del seq.token_ids[base:]
         reason = None
         for token in tokens:
-            r.target.token_ids.append(token)
+            record_token(r.target, token, now)
             r.draft.token_ids.append(token)
-            r.target.token_times.append(now)
-            if r.target.first_token_time is None:
-                r.target.first_token_time = now
             self.stats.emitted += 1
-            reason = self._stop_reason(r.target)
+            reason = stop_reason(r.target, self.target.tokenizer, self.target.eos_ids)
             if reason:
                 break
         # The K/V of the first base + accepted positions are right in both caches (the accepted proposals
@@ -425,29 +412,12 @@ class SpeculativeDecoder:
         if reason:
             self._finish(r, reason, now)
 
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        """The engine's stop rules: stop token ids and stop strings, eos (unless ignore_eos), max_tokens."""
-        params = seq.params
-        text = None
-        if params.stop:
-            seq.text = self.target.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            text = seq.text
-        reason = check_stop(seq.token_ids, seq.num_prompt_tokens, params, None, text)
-        if reason != "stop" and not params.ignore_eos and seq.num_output_tokens >= params.min_tokens \
-                and seq.token_ids[-1] in self.target.eos_ids:
-            reason = "stop"
-        return reason
-
     def _finish(self, r: _Request, reason: str, now: float) -> None:
-        seq = r.target
-        seq.finish_reason = reason
-        seq.finish_time = now
-        if seq.params.stop and seq.text:
-            seq.text, _ = truncate_at_stop_string(seq.text, seq.params.stop)
+        finish(r.target, reason, now)
         for engine, s in ((self.target, r.target), (self.draft, r.draft)):
             s.status = Status.FINISHED
             engine.blocks.release(s)
-        self._finished.append(seq)
+        self._finished.append(r.target)
 
     # Batch API ------------------------------------------------------------------------------------
 
@@ -461,10 +431,7 @@ class SpeculativeDecoder:
             if engine.has_unfinished():
                 raise EngineError(f"the {name} engine has requests in flight: speculative decoding uses its "
                                   "cache directly, so let them finish first")
-        prompts = list(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise EngineError(f"{len(plist)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        prompts, plist = pair_params(prompts, params)
         start = time.perf_counter()
         requests = [self._request(p, sp, start) for p, sp in zip(prompts, plist, strict=True)]
         self.stats = SpeculativeStats(num_speculative_tokens=self.k, requests=len(requests))
@@ -492,15 +459,7 @@ class SpeculativeDecoder:
         self.stats.wall_s = time.perf_counter() - start
         tpots = [m.tpot_s for m in (RequestMetrics.of(r.target) for r in requests) if m.tpot_s is not None]
         self.stats.tpot_s = statistics.fmean(tpots) if tpots else math.nan
-        return [self._output(r) for r in requests]
-
-    def _output(self, r: _Request) -> RequestOutput:
-        seq = r.target
-        text = seq.text
-        if not text and self.target.tokenizer is not None:
-            text = self.target.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
-                             seq.finish_reason, RequestMetrics.of(seq))
+        return [request_output(r.target, self.target.tokenizer) for r in requests]
 
     def metrics(self) -> RunMetrics:
         """The last generate's serving metrics (TTFT, TPOT, TBT, throughput; KV use of the target's pool)."""

@@ -32,16 +32,14 @@ from tokq.errors import DataError
 from tokq.evalsuite import baseline_cache
 from tokq.evalsuite.ab import BaselineWindow, TokenMetrics, non_finite_rows, score_baseline, score_candidate
 from tokq.evalsuite.full_kl import A_TAIL_DTYPE, kind_of, lower_bound_verdict, systematic_sample
-from tokq.evalsuite.stats import aggregate, check_threshold, mcnemar_exact, proportion
+from tokq.evalsuite.rule_defs import THRESHOLD_METRICS  # name -> (aggregate metric, direction)
+from tokq.evalsuite.stats.aggregation import aggregate
+from tokq.evalsuite.stats.exact import mcnemar_exact, proportion
+from tokq.evalsuite.stats.thresholds import check_threshold
 from tokq.longctx.windows import TokenWindow, WindowSet
 
 log = logging.getLogger("tokq")
 
-# name -> (aggregate metric, direction): thresholds fail when the CI's unfavourable bound crosses them
-THRESHOLD_METRICS = {"max_kl": ("kl", "max"), "min_top1": ("top1", "min"), "max_ppl_ratio": ("ppl_ratio", "max"),
-                     "max_flip_rate": ("flip_rate", "max"),
-                     "max_kl_p90": ("kl_p90", "max"), "max_kl_p95": ("kl_p95", "max"), "max_kl_p99": ("kl_p99", "max"),
-                     "max_kl_p999": ("kl_p999", "max"), "max_rms_delta_p": ("rms_delta_p", "max")}
 # per-token KL quantiles: a lower bound unless every token's KL is exact (see _kl_tails_from)
 KL_TAIL_METRICS = {"kl_p90", "kl_p95", "kl_p99", "kl_p999"}
 
@@ -282,7 +280,8 @@ def _floor(engine, dwins: list[TokenWindow], wins: list[TokenWindow], base_prefi
 
 def _probes(engine, tokenizer, documents, s: ScoringPlan) -> list[dict] | None:
     from tokq.engine.tokenizer import model_adds_bos
-    from tokq.longctx.probes import build_probes, probe_grid, run_probes
+    from tokq.longctx.probe_scoring import run_probes
+    from tokq.longctx.probes import build_probes, probe_grid
 
     if not documents:
         return None
@@ -329,7 +328,7 @@ def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, flo
     pass: no probes ran, too few probes to pass even with no flip (`power.probes_to_pass`), one document (no
     interval), or a KL figure that is only a lower bound (full_kl.lower_bound_verdict)."""
     from tokq.evalsuite.power import probes_to_pass
-    from tokq.evalsuite.stats import Estimate
+    from tokq.evalsuite.stats.estimate import Estimate
 
     kl_kind = ((result.get("kl_estimator") or {}).get("prefill") or {}).get("kind")
     broken = any((result.get("non_finite") or {}).get(key) for key in ("a_tokens", "b_tokens"))

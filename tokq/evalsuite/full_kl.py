@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokq.evalsuite.stats import Estimate
+from tokq.evalsuite.stats.estimate import Estimate
 
 A_TAIL_DTYPE = torch.bfloat16  # A's stored tail probabilities: half of fp32's bytes, its exponent range
 KINDS = ("exact", "estimated", "lower_bound")

@@ -1,6 +1,6 @@
 """The gate's verdict: quality rules on a compare result, speed rules on a paired speed experiment.
 
-Quality rules use `evalsuite.stats.check_threshold` through compare's own threshold evaluation (a rule
+Quality rules use `evalsuite.stats.thresholds.check_threshold` through compare's own threshold evaluation (a rule
 fails when the 95% CI's unfavourable bound crosses it). Speed rules read `evalsuite.speed_stats`: the
 variant's ratio to the base on one metric, with a 95% bootstrap interval over paired blocks of steps
 (base and variant interleaved in one process, see `tokq.engine.paired_bench`):
@@ -11,6 +11,7 @@ variant's ratio to the base on one metric, with a 95% bootstrap interval over pa
 - max_e2el_ratio: mean end-to-end request latency variant / base;
 - max_memory_ratio: (weights + KV cache) variant / base; max_weights_ratio: weights alone;
   max_kv_ratio: the KV pool alone (exact byte counts: no interval).
+(The rule names and what each measures: `evalsuite.rule_defs`, which tokq.toml's checks read too.)
 Result: pass when the whole interval meets the threshold, fail when the whole interval misses it,
 inconclusive otherwise (the run could not tell; the rule line says roughly how much longer a run would
 need). A stall-free, quiet machine decides most rules in a minute; a noisy one yields "inconclusive"
@@ -19,25 +20,8 @@ rather than a verdict that flips between reruns.
 
 from __future__ import annotations
 
+from tokq.evalsuite.rule_defs import MEMORY_MEASURES, SPEED_MEASURES
 from tokq.evalsuite.speed_stats import SpeedAnalysis, decide
-
-# rule -> (label, metric in speed_stats, invert: the rule reads base / variant)
-SPEED_MEASURES = {
-    "min_tpot_speedup": ("TPOT speedup", "mean_tpot_ms", True),
-    "min_throughput_speedup": ("output throughput speedup", "output_throughput", False),
-    "min_total_throughput_speedup": ("total throughput speedup", "total_token_throughput", False),
-    "max_ttft_ratio": ("mean TTFT ratio", "mean_ttft_ms", False),
-    "max_ttft_p50_ratio": ("median TTFT ratio", "median_ttft_ms", False),
-    "max_ttft_p95_ratio": ("p95 TTFT ratio", "p95_ttft_ms", False),
-    "max_itl_p95_ratio": ("p95 ITL ratio", "p95_itl_ms", False),
-    "max_itl_p99_ratio": ("p99 ITL ratio", "p99_itl_ms", False),
-    "max_e2el_ratio": ("mean E2E latency ratio", "mean_e2el_ms", False),
-}
-MEMORY_MEASURES = {
-    "max_memory_ratio": ("memory ratio (weights + KV)", lambda m: m["weights_bytes"] + m["kv_cache_bytes"]),
-    "max_weights_ratio": ("weights ratio", lambda m: m["weights_bytes"]),
-    "max_kv_ratio": ("KV cache ratio", lambda m: m["kv_cache_bytes"]),
-}
 
 
 def speed_verdicts(rules, analysis: SpeedAnalysis, memory: dict[str, dict]) -> list[dict]:
@@ -47,8 +31,8 @@ def speed_verdicts(rules, analysis: SpeedAnalysis, memory: dict[str, dict]) -> l
     out = []
     for rule in rules:
         if rule.name in MEMORY_MEASURES:
-            label, measure = MEMORY_MEASURES[rule.name]
-            value = measure(memory["variant"]) / measure(memory["base"])
+            label, counts = MEMORY_MEASURES[rule.name]
+            value = sum(memory["variant"][c] for c in counts) / sum(memory["base"][c] for c in counts)
             ok = value <= rule.threshold if rule.direction == "max" else value >= rule.threshold
             result = "pass" if ok else "fail"
             sign = ("<=" if ok else ">") if rule.direction == "max" else (">=" if ok else "<")

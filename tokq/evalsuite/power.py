@@ -4,13 +4,13 @@ A rule that cannot pass whatever the candidate does, or cannot fail, is a Config
 - range: every quality metric lives in a known range (a flip rate, top-1 agreement and RMS Δp in [0, 1],
   KL and its quantiles >= 0, a perplexity ratio > 0); a limit beyond the range's far end can never fail
   (max_flip_rate = 1, min_top1 = 0), one beyond its near end can never pass (max_kl = -1, min_top1 = 1.5);
-- probes (ci = "bound" only): `max_flip_rate` decides on the exact (Clopper-Pearson) upper 95% bound of the
+- probes (threshold_on = "bound" only): `max_flip_rate` decides on the exact (Clopper-Pearson) upper 95% bound of the
   flip rate over n probes. Its best case, no flip at all, has upper bound 1 - (alpha/2)^(1/n): 0.52 for
   5 probes, so a 0.25 limit cannot pass below 13 probes. n is the grid `tokq compare` will run
   (longctx.probes.probe_grid: contexts x depths x repeats), computed by the same function;
-- documents (ci = "bound" only): a mean's interval needs two documents; sample_windows = 1 scores one.
+- documents (threshold_on = "bound" only): a mean's interval needs two documents; sample_windows = 1 scores one.
 
-With ci = "point" a rule decides on the estimate, which any sample can put on either side of a limit
+With threshold_on = "point" a rule decides on the estimate, which any sample can put on either side of a limit
 inside the range, so only the range check applies.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tokq.evalsuite.stats import DEFAULT_CONFIDENCE
+from tokq.evalsuite.stats.estimate import DEFAULT_CONFIDENCE
 
 # rule name -> (lowest, highest) value its metric can take, and whether those ends are attained
 # (a perplexity ratio exp(mean ΔNLL) is never 0).
@@ -116,7 +116,7 @@ def check_project(project) -> None:
                for d in project.data.values()]
     for rule in project.quality:
         for sample in samples or [None]:
-            reason = undecidable(rule.name, rule.direction, rule.threshold, project.quality_on, sample)
+            reason = undecidable(rule.name, rule.direction, rule.threshold, project.threshold_on, sample)
             if reason is not None:
                 raise project.error("gate.quality", rule.name, reason if rule.bucket is None else
                                     f"({rule.bucket}) {reason}")

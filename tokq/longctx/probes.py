@@ -17,29 +17,21 @@ Every piece is encoded on its own and the ids concatenated, so the prompt length
 Keys are 5-digit numbers drawn from a generator seeded by (seed, context, depth, repeat):
 the same arguments always give the same probes, and keys differ between probes.
 
-`run_probes` answers all probes greedily in one batched `engine.generate`; an answer is right
-when the first 5-digit number in the output (`extract_key`) equals the key. `accuracy_grid`
-summarises one model's results by context and depth; `compare_probe_results` pairs two models'
-results on the same probes and counts the flips (right for A and wrong for B, and the reverse).
-
 Contexts are taken as given: the caller must refuse contexts the model cannot hold. A probe
 needs `context + max_new_tokens` positions, so pass
-`default_contexts(max_model_len - max_new_tokens)` (run_probes checks it against the engine).
-`probe_grid` is that choice made once: the contexts, depths and repeats `tokq compare` runs, and
-the probe count the gate's power check (evalsuite.power) sizes a flip-rate rule by.
+`default_contexts(max_model_len - max_new_tokens)` (`probe_scoring.run_probes` checks it against the
+engine). `probe_grid` is that choice made once: the contexts, depths and repeats `tokq compare` runs,
+and the probe count the gate's power check (evalsuite.power) sizes a flip-rate rule by.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import re
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from tokq.engine.sampling import SamplingParams
 from tokq.errors import ConfigError
 
 from .documents import Document
@@ -55,8 +47,6 @@ DOCUMENT_SEPARATOR = "\n\n"  # between two documents of the filler
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_MAX_NEW_TOKENS = 8  # " 48213." is 7 tokens for digit-splitting tokenizers
 KEY_DIGITS = 5
-# The first run of exactly five digits: "482130" is not an answer of 48213.
-KEY_PATTERN = re.compile(rf"(?<!\d)\d{{{KEY_DIGITS}}}(?!\d)")
 # Lines longer than this are split at sentence ends (else before a space) so the needle can land
 # near any depth even in text without line breaks.
 MAX_SEGMENT_CHARS = 120
@@ -85,45 +75,6 @@ class Probe:
     needle_start: int = 0
     needle_tokens: int = 0
     needle_offset: int = 0
-
-    @property
-    def actual_depth(self) -> float:
-        """Where the needle landed after snapping to a text boundary (0.0 .. 1.0)."""
-        return self.needle_offset / self.filler_tokens if self.filler_tokens else 0.0
-
-    @property
-    def filler_repeated(self) -> bool:
-        """Whether some document had to be used more than once to fill the context."""
-        docs = self.filler_doc.split(", ")
-        return len(docs) != len(set(docs))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready description without the prompt ids."""
-        out = asdict(self)
-        del out["prompt_ids"]
-        out["actual_depth"] = self.actual_depth
-        return out
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """One probe's greedy answer and whether it was right."""
-
-    context: int
-    depth: float
-    key: str
-    answer: str
-    output_text: str
-    predicted: str | None  # the first 5-digit number in output_text, or None
-    correct: bool
-    repeat: int = 0
-    filler_doc: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-# Building -------------------------------------------------------------------------------------
 
 
 def default_contexts(max_context: int, smallest: int = 1024) -> list[int]:
@@ -181,16 +132,6 @@ def probe_grid(window: int, probe_max_context: int | None, depths: Sequence[floa
     contexts = tuple(default_contexts(longest)) if longest >= 1 else ()
     return ProbeGrid(contexts, tuple(float(d) for d in depths), int(repeats))
 
-
-def extract_key(text: str) -> str | None:
-    """The first 5-digit number in `text` (not part of a longer number), or None."""
-    match = KEY_PATTERN.search(text)
-    return match.group(0) if match else None
-
-
-def is_correct(output_text: str, answer: str) -> bool:
-    """Exact match: the first 5-digit number of the output is the answer."""
-    return extract_key(output_text) == answer
 
 
 def build_probes(
@@ -368,150 +309,3 @@ def _filler(
     del ids[budget:]
     bounds = sorted({b for b in bounds if b < budget} | {budget})
     return ids, bounds, used
-
-
-# Running and scoring --------------------------------------------------------------------------
-
-
-def run_probes(
-    engine: Any,
-    probes: Sequence[Probe],
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    *,
-    tokenizer: Any = None,
-    progress: Callable[[int], None] | None = None,
-) -> list[ProbeResult]:
-    """Greedy answers to every probe through one batched `engine.generate`, scored by exact
-    match. The output text is the engine's (it needs a tokenizer) or, when it has none,
-    `tokenizer.decode` of the generated ids. Raises ProbeError before running anything when a
-    probe does not fit the engine's context with `max_new_tokens` after it."""
-    probes = list(probes)
-    if not probes:
-        return []
-    if max_new_tokens < 1:
-        raise ProbeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    limit = getattr(engine, "max_model_len", None)
-    if limit is not None:
-        too_long = sorted({p.context for p in probes if len(p.prompt_ids) + max_new_tokens > limit})
-        if too_long:
-            raise ProbeError(
-                f"contexts {too_long} do not fit the engine's max_model_len {limit} with {max_new_tokens} "
-                f"tokens to generate: use contexts up to {limit - max_new_tokens}"
-            )
-    decoder = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
-    if decoder is None:
-        raise ProbeError("run_probes reads the answers as text: give the engine a tokenizer or pass tokenizer=")
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    outputs = engine.generate([p.prompt_ids for p in probes], params, progress=progress)
-    results = []
-    for probe, out in zip(probes, outputs, strict=True):
-        text = out.text
-        if not text and out.token_ids and tokenizer is not None:
-            text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        predicted = extract_key(text)
-        results.append(ProbeResult(
-            context=probe.context, depth=probe.depth, key=probe.key, answer=probe.answer,
-            output_text=text, predicted=predicted, correct=predicted == probe.answer,
-            repeat=probe.repeat, filler_doc=probe.filler_doc,
-        ))
-    return results
-
-
-def _accuracy(results: Iterable[ProbeResult]) -> float:
-    flags = [r.correct for r in results]
-    return sum(flags) / len(flags) if flags else math.nan
-
-
-def accuracy_grid(results: Sequence[ProbeResult]) -> dict[str, Any]:
-    """One model's results by context and depth.
-
-    Returns {"grid": {context: {depth: accuracy}}, "by_context": {context: accuracy},
-    "by_depth": {depth: accuracy}, "overall": accuracy, "n": probes, "n_correct": right}.
-    A cell's accuracy is the fraction of its probes answered right (1.0 or 0.0 with one probe
-    per cell). Contexts and depths are in increasing order.
-    """
-    results = list(results)
-    if not results:
-        raise ProbeError("no probe results to summarise")
-    contexts = sorted({r.context for r in results})
-    depths = sorted({r.depth for r in results})
-    grid = {
-        c: {d: _accuracy(r for r in results if r.context == c and r.depth == d)
-            for d in depths if any(r.context == c and r.depth == d for r in results)}
-        for c in contexts
-    }
-    return {
-        "grid": grid,
-        "by_context": {c: _accuracy(r for r in results if r.context == c) for c in contexts},
-        "by_depth": {d: _accuracy(r for r in results if r.depth == d) for d in depths},
-        "overall": _accuracy(results),
-        "n": len(results),
-        "n_correct": sum(r.correct for r in results),
-    }
-
-
-def _identities(results: Sequence[ProbeResult]) -> list[tuple[int, float, str, int]]:
-    """(context, depth, key, occurrence) per result: pairs the same probe across two runs."""
-    seen: Counter[tuple[int, float, str]] = Counter()
-    out = []
-    for r in results:
-        ident = (r.context, r.depth, r.key)
-        out.append((*ident, seen[ident]))
-        seen[ident] += 1
-    return out
-
-
-def compare_probe_results(results_a: Sequence[ProbeResult], results_b: Sequence[ProbeResult]) -> dict[str, Any]:
-    """Pair A's and B's results on the same probes (by context, depth and key) and count how
-    they agree. `flip_rate` is the share of probes A got right and B wrong (the regressions),
-    `reverse_flip_rate` the share A got wrong and B right; each of those and both accuracies has its
-    exact (Clopper-Pearson) 95% interval under "intervals". The flipped probes are listed as
-    (context, depth) in increasing order. Raises ProbeError when the two sets of probes differ."""
-    a, b = list(results_a), list(results_b)
-    ids_a, ids_b = _identities(a), _identities(b)
-    by_b = dict(zip(ids_b, b, strict=True))
-    if set(ids_a) != set(by_b):
-        only_a = sorted(set(ids_a) - set(by_b))[:3]
-        only_b = sorted(set(by_b) - set(ids_a))[:3]
-        raise ProbeError(
-            f"A and B were run on different probes ({len(a)} and {len(b)} results; only in A: "
-            f"{[i[:3] for i in only_a]}, only in B: {[i[:3] for i in only_b]}): build the probes once and run "
-            "both models on them"
-        )
-    if not a:
-        raise ProbeError("no probe results to compare")
-    from tokq.evalsuite.stats import proportion  # lazy: the statistics need scipy only here
-    counts = Counter()
-    a_right_b_wrong: list[tuple[int, float]] = []
-    a_wrong_b_right: list[tuple[int, float]] = []
-    for ident, ra in zip(ids_a, a, strict=True):
-        rb = by_b[ident]
-        if ra.correct and rb.correct:
-            counts["both_right"] += 1
-        elif ra.correct:
-            counts["a_right_b_wrong"] += 1
-            a_right_b_wrong.append((ra.context, ra.depth))
-        elif rb.correct:
-            counts["a_wrong_b_right"] += 1
-            a_wrong_b_right.append((ra.context, ra.depth))
-        else:
-            counts["both_wrong"] += 1
-    n = len(a)
-    return {
-        "n": n,
-        "both_right": counts["both_right"],
-        "a_right_b_wrong": counts["a_right_b_wrong"],
-        "a_wrong_b_right": counts["a_wrong_b_right"],
-        "both_wrong": counts["both_wrong"],
-        "flip_rate": counts["a_right_b_wrong"] / n,
-        "reverse_flip_rate": counts["a_wrong_b_right"] / n,
-        "accuracy_a": _accuracy(a),
-        "accuracy_b": _accuracy(b),
-        "intervals": {name: proportion(k, n).to_json() for name, k in (
-            ("flip_rate", counts["a_right_b_wrong"]), ("reverse_flip_rate", counts["a_wrong_b_right"]),
-            ("accuracy_a", sum(r.correct for r in a)), ("accuracy_b", sum(r.correct for r in b)))},
-        "flips_a_right_b_wrong": sorted(a_right_b_wrong),
-        "flips_a_wrong_b_right": sorted(a_wrong_b_right),
-        "grid_a": accuracy_grid(a),
-        "grid_b": accuracy_grid(b),
-    }

@@ -58,7 +58,7 @@ def calibration_samples(
     data: Path, tokenizer, add_bos: bool, num_samples: int, seq_len: int, seed: int = 0, limits=None
 ) -> CalibrationSet:
     """Draw `num_samples` full windows of `seq_len` tokens from the documents under `data` (read within
-    `limits`, a documents.ReadLimits: default caps when None)."""
+    `limits`, a read_limits.ReadLimits: default caps when None)."""
     from tokq.longctx.documents import load_documents
     from tokq.longctx.windows import as_text_encoder, build_windows
 

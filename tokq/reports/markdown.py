@@ -58,7 +58,7 @@ def _few_documents(result: dict) -> list[str]:
                     if any(e.get("warning") for e in ests.values())]
     if not few:
         return []
-    from tokq.evalsuite.stats import FEW_DOCUMENTS
+    from tokq.evalsuite.stats.estimate import FEW_DOCUMENTS
 
     return ["", f"Few documents: the intervals of {', '.join(few)} rest on fewer than {FEW_DOCUMENTS} documents and "
                 "may not hold; score more documents for intervals to rely on."]

@@ -1,6 +1,6 @@
 """Checkpoint formats tokq writes. compressed-tensors is the one vLLM, SGLang and HF transformers all load.
 
-Reading (compressed-tensors, AutoGPTQ, AutoAWQ) lives in `tokq.engine.quant_checkpoint`: the engine
+Reading (compressed-tensors, AutoGPTQ, AutoAWQ) lives in `tokq.engine.quant_formats`: the engine
 loads checkpoints and never imports quantize.
 """
 

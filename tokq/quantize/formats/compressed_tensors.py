@@ -35,12 +35,13 @@ import torch
 from safetensors.torch import save_file
 
 from tokq import __version__ as TOKQ_VERSION
+from tokq.dtypes import HF_DTYPE_NAMES, HF_DTYPES
 from tokq.engine.layers import Linear
 from tokq.engine.models import CausalLM
 from tokq.engine.quant_linear import QuantizedLinearMethod
 from tokq.errors import TokqError
 from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
-from tokq.outputs import CHECKPOINT
+from tokq.outputs import CHECKPOINT, TOKENIZER_FILES
 from tokq.paths import atomic_directory
 from tokq.quantize.scheme import CHANNEL, QuantScheme
 
@@ -48,11 +49,6 @@ log = logging.getLogger("tokq")
 
 # The compressed-tensors release whose layout this writer was checked against (packing, names, config).
 COMPRESSED_TENSORS_VERSION = "0.20.1"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
-)
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -226,16 +222,15 @@ def save_quantized(
         raise TokqError(f"{out_dir} already exists; choose another --out or pass --force to replace it")
     raw = copy.deepcopy(model.config.raw)
     if dtype is None:
-        dtype = {"float32": torch.float32, "float16": torch.float16}.get(
-            str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
-    if dtype not in DTYPE_NAMES:
+        dtype = HF_DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
+    if dtype not in HF_DTYPE_NAMES:
         raise TokqError(f"checkpoint dtype {dtype} is not supported: use bfloat16, float16 or float32")
     if not any(isinstance(m, QuantizedLinearMethod) for m in model.modules()):
         raise TokqError("the model has no quantized layers: run quantize_model before saving")
     tensors, dense_linears = checkpoint_tensors(model, scheme, dtype)
     ignore = ["lm_head"] + [n for n in dense_linears if n != "lm_head"]
     raw.pop("quantization_config", None)
-    raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = DTYPE_NAMES[dtype]
+    raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
     raw["quantization_config"] = quantization_config(scheme, ignore)
     with atomic_directory(out_dir, CHECKPOINT, "tokq quantize") as tmp:
         _write_safetensors(tensors, tmp)

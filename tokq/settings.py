@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from tokq.longctx.documents import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
+from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
 
 
 @dataclass

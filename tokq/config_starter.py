@@ -1,0 +1,48 @@
+"""The starter tokq.toml `tokq init` writes: every table, commented (tokq.config reads and checks it)."""
+
+STARTER = '''# tokq.toml: what `tokq gate` checks before a quantized build may ship.
+# Paths are relative to this file. Every key below is optional except [base] model.
+
+[base]
+model = "smollm2-135m"        # zoo name (`tokq models list`) or a checkpoint directory
+dtype = "auto"                # compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16
+
+[variants]
+# A checkpoint, or a recipe `tokq quantize` can rebuild (method, scheme, group_size, ...):
+int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme = "w4a16", group_size = 64 } }
+# w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }
+
+[data.default]
+path = "~/.cache/tokq/data/default"   # your long documents (txt, md, rst, jsonl, .gz; parquet, arrow)
+window = 2048                          # tokens per scored window
+sample_windows = 16                    # windows spread evenly over the documents
+probe_repeats = 2                      # passkey probes per (context, depth): 2 contexts x 5 depths x 2 = 20
+# max_doc_mb = 64                      # skip a document (a file, a .jsonl line, a table row) over 64 MiB
+# max_file_mb = 1024                   # skip a file holding more than 1024 MiB, decompressed
+
+[bench]
+prompt_len = 512
+gen_len = 256
+concurrency = 16
+# arrival_rate = 4.0          # Poisson arrivals per second (default: all at once)
+max_seconds = 60              # paired speed experiment per variant: base and variant alternate every few steps;
+                              # a speed rule passes when its whole 95% interval meets it, fails when the whole
+                              # interval misses it, and is "inconclusive" (exit 3) otherwise
+
+[gate.quality]
+# A rule fails when the 95% confidence interval's unfavourable bound crosses it
+# (threshold_on = "point": when the estimate does; the CI is still reported).
+threshold_on = "bound"
+max_kl = 0.05                 # mean KL(base || variant), or per bucket: { overall = 0.05, "4K-8K" = 0.1 }
+min_top1 = 0.85               # top-1 agreement with the base
+max_ppl_ratio = 1.10          # perplexity ratio variant / base
+max_flip_rate = 0.20          # passkey probes the base answers and the variant misses (exact upper bound:
+                              # 0.20 needs >= 17 probes even with no flip; the gate refuses fewer)
+
+[gate.speed]
+min_tpot_speedup = 1.2        # TPOT(base) / TPOT(variant) on the [bench] workload
+max_ttft_p50_ratio = 1.5      # median TTFT variant / base (prefill regressions)
+# min_throughput_speedup = 1.0
+# max_memory_ratio = 0.8       # (weights + KV cache) variant / base
+# max_weights_ratio = 0.5      # weights alone
+'''
