@@ -15,7 +15,7 @@ from tests.test_models_vs_hf import make_hf_checkpoint
 from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
 from tokq.evalsuite.ab import BaselineWindow, token_metrics
-from tokq.evalsuite.compare import evaluate_thresholds
+from tokq.evalsuite.quality_rules import evaluate_thresholds
 from tokq.evalsuite.stats.exact import clopper_pearson, proportion
 
 

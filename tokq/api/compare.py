@@ -237,8 +237,8 @@ def _check_power(s: CompareSettings, probe_ctx: int, engine_len: int | None, doc
     """Refuse, before minutes of scoring, a threshold this run cannot decide (evalsuite.power): e.g.
     --max-flip-rate 0.25 over 5 probes, whose exact upper bound is 0.52 even with no flip. engine_len None:
     no probes run."""
-    from tokq.evalsuite.compare import THRESHOLD_METRICS
     from tokq.evalsuite.power import Sample, check_thresholds
+    from tokq.evalsuite.rule_defs import THRESHOLD_METRICS
     from tokq.longctx.probes import probe_grid
 
     n_probes = (probe_grid(s.window, probe_ctx, s.probe_depths, s.probe_repeats, engine_len).size

@@ -20,7 +20,6 @@ decode path against A's prefill path on those tokens: differences below it are k
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -31,17 +30,15 @@ from tokq.engine.config import read_config
 from tokq.errors import DataError
 from tokq.evalsuite import baseline_cache
 from tokq.evalsuite.ab import BaselineWindow, TokenMetrics, non_finite_rows, score_baseline, score_candidate
-from tokq.evalsuite.full_kl import A_TAIL_DTYPE, kind_of, lower_bound_verdict, systematic_sample
-from tokq.evalsuite.rule_defs import THRESHOLD_METRICS  # name -> (aggregate metric, direction)
+from tokq.evalsuite.full_kl import A_TAIL_DTYPE, kind_of, systematic_sample
+from tokq.evalsuite.quality_rules import evaluate_thresholds, finite_rules
 from tokq.evalsuite.stats.aggregation import aggregate
 from tokq.evalsuite.stats.exact import mcnemar_exact, proportion
-from tokq.evalsuite.stats.thresholds import check_threshold
 from tokq.longctx.windows import TokenWindow, WindowSet
 
 log = logging.getLogger("tokq")
 
 # per-token KL quantiles: a lower bound unless every token's KL is exact (see _kl_tails_from)
-KL_TAIL_METRICS = {"kl_p90", "kl_p95", "kl_p99", "kl_p999"}
 
 
 @dataclass
@@ -186,22 +183,6 @@ def _non_finite(baseline: list[BaselineWindow], paths: list[TokenMetrics | None]
             "scored_tokens": sum(m.tokens for m in paths if m is not None)}
 
 
-def finite_rules(result: dict) -> list[dict]:
-    """A failing rule for each model whose scores are NaN or inf on any token: a broken build (a bad checkpoint,
-    an overflowing dtype). Every figure is NaN there and NaN fails no threshold, so without this rule such a run
-    would read as a pass, or as inconclusive under thresholds; a gate must block it."""
-    counts = result.get("non_finite") or {}
-    rows = []
-    for side in ("a", "b"):
-        n = counts.get(f"{side}_tokens", 0)
-        if n:
-            rows.append({"name": "finite_scores", "metric": "non_finite_tokens", "bucket": None, "threshold": 0,
-                         "value": n, "low": None, "high": None, "passed": False,
-                         "rule": f"model {side.upper()} ({result[side]['name']}) produced non-finite logits (NaN or "
-                                 f"inf) on {n} of {counts['scored_tokens']} scored tokens: a broken build"})
-    return rows
-
-
 def _aggregate(metrics: TokenMetrics, doc_ids: list[str], s: ScoringPlan) -> dict:
     if metrics.tokens == 0:
         raise DataError("no token was scored: the documents give no window with a token to predict")
@@ -319,79 +300,6 @@ def _probe_comparison(a: list[dict] | None, b: list[dict] | None) -> dict | None
                           (("flip_rate", len(a_only)), ("a_accuracy", a_right), ("b_accuracy", b_right))},
             "flipped": a_only, "recovered": b_only, "mcnemar_p": mcnemar_exact(len(a_only), len(b_only)),
             "a_grid": grid(a), "b_grid": grid(b)}
-
-
-def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, float]], on: str = "bound") -> list[dict]:
-    """Each threshold against the prefill path's estimate (overall or per bucket): it fails when the
-    95% CI's unfavourable bound crosses it (on="point": when the estimate does). The flip rate's CI is the
-    exact Clopper-Pearson interval over the probes. A rule the data cannot decide is inconclusive, never a
-    pass: no probes ran, too few probes to pass even with no flip (`power.probes_to_pass`), one document (no
-    interval), or a KL figure that is only a lower bound (full_kl.lower_bound_verdict)."""
-    from tokq.evalsuite.power import probes_to_pass
-    from tokq.evalsuite.stats.estimate import Estimate
-
-    kl_kind = ((result.get("kl_estimator") or {}).get("prefill") or {}).get("kind")
-    broken = any((result.get("non_finite") or {}).get(key) for key in ("a_tokens", "b_tokens"))
-    out = []
-    for name, per_bucket in thresholds.items():
-        metric, direction = THRESHOLD_METRICS[name]
-        for bucket, value in per_bucket.items():
-            row = {"name": name, "metric": metric, "bucket": bucket, "threshold": value}
-            if metric == "flip_rate":
-                probes = result.get("probes")
-                if not probes:
-                    out.append({**row, "bucket": None, "passed": False, "inconclusive": True,
-                                "rule": "no retrieval probes ran (no documents for them, or --no-probes): the flip "
-                                        "rate is not shown (inconclusive)"})
-                    continue
-                ci = (probes.get("intervals") or {}).get("flip_rate")
-                est = Estimate(**{k: ci[k] for k in ("value", "low", "high", "n_tokens", "n_docs")}) if ci else \
-                    Estimate(probes["flip_rate"], probes["flip_rate"], probes["flip_rate"], probes["n"], probes["n"])
-                needed = probes_to_pass(value)
-                check = check_threshold(est, value, direction, metric, None, on)
-                too_few = needed is None or probes["n"] < needed
-                if on == "bound" and not check.passed and est.low <= value and too_few:
-                    out.append({**row, "bucket": None, "passed": False, "inconclusive": True, **_interval(est),
-                                "rule": f"{check.rule} over {probes['n']} probes; even no flip could not pass: it "
-                                        f"needs at least {needed} probes (inconclusive)"})
-                    continue
-                out.append({**row, "bucket": None, "passed": check.passed, **_interval(est),
-                            "rule": f"{check.rule} (exact, {probes['n']} probes)"})
-                continue
-            source = result["prefill"]["overall"] if bucket is None else result["prefill"]["buckets"].get(bucket)
-            if source is None or metric not in source:
-                known = ", ".join(result["prefill"]["buckets"])
-                raise DataError(f"--{name.replace('_', '-')} names bucket {bucket!r}, which these windows do not "
-                                f"reach (buckets: {known})")
-            entry = source[metric]
-            # JSON writes an infinite bound (one document: no interval) as null
-            low = -math.inf if entry["low"] is None else entry["low"]
-            high = math.inf if entry["high"] is None else entry["high"]
-            est = Estimate(math.nan if entry["value"] is None else entry["value"], low, high, entry["n_tokens"],
-                           entry["n_docs"])
-            if broken and not math.isfinite(est.value):  # not "no interval": finite_scores says why
-                out.append({**row, "passed": False, "inconclusive": True, **_interval(est),
-                            "rule": f"{metric} is not a number: the scores hold NaN or inf (see finite_scores)"})
-                continue
-            lower_bound = (metric == "kl" and kl_kind == "lower_bound") or (metric in KL_TAIL_METRICS and kl_kind
-                                                                              not in (None, "exact"))
-            if lower_bound:
-                out.append({**row, **_interval(est), **lower_bound_verdict(est, value, on)})
-                continue  # a lower bound can show a regression, never its absence
-            check = check_threshold(est, value, direction, metric, bucket, on)
-            if not check.passed and math.isinf(check.bound_used):
-                out.append({**row, "passed": False, "inconclusive": True, **_interval(est),
-                            "rule": f"{est.n_docs} document gives no interval for {metric}; {direction} {value:.4g} "
-                                    "not shown (inconclusive)"})
-                continue
-            out.append({**row, "passed": check.passed, **_interval(est), "rule": check.rule})
-    return out
-
-
-def _interval(est) -> dict:
-    """value / low / high of a threshold row, an infinite or missing bound as None (strict JSON)."""
-    return {key: (float(x) if x is not None and math.isfinite(x) else None)
-            for key, x in (("value", est.value), ("low", est.low), ("high", est.high))}
 
 
 def _settings_json(s: ScoringPlan) -> dict:

@@ -12,6 +12,8 @@ THRESHOLD_METRICS = {"max_kl": ("kl", "max"), "min_top1": ("top1", "min"), "max_
                      "max_flip_rate": ("flip_rate", "max"),
                      "max_kl_p90": ("kl_p90", "max"), "max_kl_p95": ("kl_p95", "max"), "max_kl_p99": ("kl_p99", "max"),
                      "max_kl_p999": ("kl_p999", "max"), "max_rms_delta_p": ("rms_delta_p", "max")}
+# Per-token KL quantiles: a lower bound unless every token's KL is exact (evalsuite.compare._kl_tails_from).
+KL_TAIL_METRICS = {"kl_p90", "kl_p95", "kl_p99", "kl_p999"}
 # Metrics that are not split by position: the retrieval probes' flip rate is one number per run.
 UNBUCKETED_METRICS = {"flip_rate"}
 # The quality rules that therefore take one number, never { overall = ..., "BUCKET" = ... }.
