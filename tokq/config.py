@@ -224,19 +224,19 @@ def load_project(path: Path) -> Project:
     project.bench = workload
     gate = check.table(raw, "gate", {"quality", "speed"})
     quality = check.table(gate, "gate.quality", set(QUALITY_RULES) | {"threshold_on", "ci"})
+    key = "threshold_on"
     if "ci" in quality:  # the key's former name: one name per concept now, as `tokq compare --threshold-on`
         if "threshold_on" in quality:
             raise check.fail("gate.quality", "ci", "and threshold_on are the same setting: keep threshold_on only")
         log.warning(f"{path}: [gate.quality] ci is now called threshold_on (as `tokq compare --threshold-on`): "
                     "rename it")
-        quality["threshold_on"] = quality.pop("ci")
-    if "threshold_on" in quality:
-        if quality["threshold_on"] not in ("bound", "point"):
-            raise check.fail("gate.quality", "threshold_on", f"= {quality['threshold_on']!r} must be \"bound\" (fail "
-                                                             "when the 95% CI's unfavourable bound crosses the "
-                                                             "threshold) or \"point\"")
-        project.threshold_on = quality["threshold_on"]
-    project.quality = _rules(check, {"quality": {k: v for k, v in quality.items() if k != "threshold_on"}},
+        key = "ci"
+    if key in quality:
+        if quality[key] not in ("bound", "point"):
+            raise check.fail("gate.quality", key, f"= {quality[key]!r} must be \"bound\" (fail when the 95% CI's "
+                                                  "unfavourable bound crosses the threshold) or \"point\"")
+        project.threshold_on = quality[key]
+    project.quality = _rules(check, {"quality": {k: v for k, v in quality.items() if k not in ("threshold_on", "ci")}},
                              "gate.quality", QUALITY_RULES, buckets=True)
     project.speed = _rules(check, gate, "gate.speed", SPEED_RULES, buckets=False)
     if not project.quality and not project.speed:
