@@ -34,7 +34,8 @@ from tokq.evalsuite.ab import BaselineWindow, scored_rows, token_metrics
 from tokq.evalsuite.full_kl import a_tail, full_row_kl, systematic_sample, tail_gap
 from tokq.evalsuite.stats.bootstrap import paired_bootstrap
 from tokq.longctx.documents import load_documents
-from tokq.longctx.windows import as_text_encoder, build_windows, tokenize_documents
+from tokq.longctx.text_encoding import as_text_encoder, tokenize_documents
+from tokq.longctx.windows import build_windows
 from tokq.paths import data_dir
 from tokq.zoo import resolve_model
 

@@ -27,7 +27,8 @@ from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
 from tokq.errors import DataError
 from tokq.evalsuite.divergence import divergence, final_hidden
 from tokq.longctx.documents import load_documents
-from tokq.longctx.windows import as_text_encoder, build_windows
+from tokq.longctx.text_encoding import as_text_encoder
+from tokq.longctx.windows import build_windows
 from tokq.paths import data_dir
 from tokq.quantize.calibration import CalibrationSet, calibration_samples
 from tokq.zoo import resolve_model

@@ -10,15 +10,14 @@ from hypothesis import strategies as st
 
 from tokq.errors import ConfigError, ModelError
 from tokq.longctx.documents import Document
-from tokq.longctx.windows import (
+from tokq.longctx.text_encoding import (
     HFTextEncoder,
     TextEncoder,
-    WindowConfigError,
     as_text_encoder,
-    build_windows,
     count_tokens,
     tokenize_documents,
 )
+from tokq.longctx.windows import WindowConfigError, build_windows
 
 BOS = 1
 

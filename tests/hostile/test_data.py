@@ -331,11 +331,11 @@ def test_chunked_encoding_equals_the_whole_encoding(monkeypatch) -> None:
     """Hostile case: a document far longer than a chunk (chunks made tiny here, so there are hundreds of seams):
     for word-level, byte-level BPE and Metaspace tokenizers the chunked ids equal the whole text's, and a prefix
     holds the whole text's first ids."""
-    from tokq.longctx import windows as windows_mod
-    from tokq.longctx.windows import as_text_encoder, encode_text
+    from tokq.longctx import text_encoding as encoding_mod
+    from tokq.longctx.text_encoding import as_text_encoder, encode_text
 
-    monkeypatch.setattr(windows_mod, "CHUNK_CHARS", 600)
-    monkeypatch.setattr(windows_mod, "SEAM_CHARS", 80)
+    monkeypatch.setattr(encoding_mod, "CHUNK_CHARS", 600)
+    monkeypatch.setattr(encoding_mod, "SEAM_CHARS", 80)
     text = _sample_text(9)
     for name, tokenizer in _tokenizers().items():
         encoder = as_text_encoder(tokenizer, add_bos=False)
@@ -353,8 +353,8 @@ def test_chunked_encoding_equals_the_whole_encoding(monkeypatch) -> None:
 def test_encoding_falls_back_to_the_whole_text_when_a_seam_disagrees(monkeypatch) -> None:
     """Hostile case: a tokenizer whose ids at a cut depend on text after it (here: one id for the number of
     words): chunking would change its ids, so the whole text is encoded instead."""
-    from tokq.longctx import windows as windows_mod
-    from tokq.longctx.windows import encode_text
+    from tokq.longctx import text_encoding as encoding_mod
+    from tokq.longctx.text_encoding import encode_text
 
     class NonLocal:
         bos_token_id = None
@@ -362,8 +362,8 @@ def test_encoding_falls_back_to_the_whole_text_when_a_seam_disagrees(monkeypatch
         def encode(self, text: str) -> list[int]:
             return [len(text.split())] + [1] * len(text.split())
 
-    monkeypatch.setattr(windows_mod, "CHUNK_CHARS", 600)
-    monkeypatch.setattr(windows_mod, "SEAM_CHARS", 80)
+    monkeypatch.setattr(encoding_mod, "CHUNK_CHARS", 600)
+    monkeypatch.setattr(encoding_mod, "SEAM_CHARS", 80)
     text = words(2000)
     assert encode_text(NonLocal(), text) == NonLocal().encode(text)
     assert encode_text(NonLocal(), text, max_ids=10) == NonLocal().encode(text)
@@ -444,7 +444,7 @@ def test_score_of_a_long_single_line_with_max_tokens_is_bounded(capsys, checkpoi
                                                                 monkeypatch) -> None:
     """Hostile case, end to end: `tokq score --max-tokens 512` on an 8 MB single-line document: the tokenizer sees
     a few KB of it (before the fix: all 8 MB, and 50 MB took 59 s and 6 GB RSS)."""
-    from tokq.longctx.windows import HFTextEncoder
+    from tokq.longctx.text_encoding import HFTextEncoder
 
     (tmp_path / "big.txt").write_text(words(2_000_000))
     seen = []

@@ -14,7 +14,8 @@ from tokq.engine.checkpoint import load_model
 from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
 from tokq.evalsuite.perplexity import score_windows
 from tokq.longctx.documents import load_documents
-from tokq.longctx.windows import as_text_encoder, build_windows
+from tokq.longctx.text_encoding import as_text_encoder
+from tokq.longctx.windows import build_windows
 from tokq.zoo import resolve_model
 
 pytestmark = pytest.mark.integration

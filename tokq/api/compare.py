@@ -142,7 +142,8 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     from tokq.longctx.documents import load_documents
     from tokq.longctx.probes import evenly_spaced_depths
     from tokq.longctx.read_limits import read_limits
-    from tokq.longctx.windows import as_text_encoder, build_windows
+    from tokq.longctx.text_encoding import as_text_encoder
+    from tokq.longctx.windows import build_windows
     from tokq.paths import data_dir
 
     for flag, value in (("--topk", s.topk), ("--resamples", s.resamples), ("--window", s.window),

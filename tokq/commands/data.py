@@ -26,7 +26,8 @@ from tokq.longctx.read_limits import (
     MAX_FILE_MB_HELP,
     read_limits,
 )
-from tokq.longctx.windows import TextEncoder, as_text_encoder, build_windows, tokenize_documents
+from tokq.longctx.text_encoding import TextEncoder, as_text_encoder, tokenize_documents
+from tokq.longctx.windows import build_windows
 from tokq.paths import atomic_write_text, data_dir
 from tokq.reports.json_io import check_json_target
 

@@ -46,7 +46,8 @@ def score_cmd(
     from tokq.evalsuite.perplexity import score_windows
     from tokq.longctx.documents import load_documents
     from tokq.longctx.read_limits import read_limits
-    from tokq.longctx.windows import as_text_encoder, build_windows
+    from tokq.longctx.text_encoding import as_text_encoder
+    from tokq.longctx.windows import build_windows
     from tokq.paths import data_dir
     from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime

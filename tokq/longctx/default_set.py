@@ -37,7 +37,7 @@ from tokq.paths import atomic_directory
 from .default_sources import SourceSpec, default_sources
 from .documents import Document, load_documents
 from .source_files import Candidate, eligible_files
-from .windows import TextEncoder
+from .text_encoding import TextEncoder
 
 MANIFEST_FORMAT = "tokq-default-set/1"
 DEFAULT_MAX_DOCUMENTS = 100

@@ -35,7 +35,7 @@ from typing import Any
 from tokq.errors import ConfigError
 
 from .documents import Document
-from .windows import HFTextEncoder, TextEncoder
+from .text_encoding import HFTextEncoder, TextEncoder
 
 INSTRUCTION = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "

@@ -60,7 +60,8 @@ def calibration_samples(
     """Draw `num_samples` full windows of `seq_len` tokens from the documents under `data` (read within
     `limits`, a read_limits.ReadLimits: default caps when None)."""
     from tokq.longctx.documents import load_documents
-    from tokq.longctx.windows import as_text_encoder, build_windows
+    from tokq.longctx.text_encoding import as_text_encoder
+    from tokq.longctx.windows import build_windows
 
     if num_samples < 1 or seq_len < 16:
         raise DataError(f"calibration needs at least 1 sample of at least 16 tokens (got {num_samples} x {seq_len})")
