@@ -1,6 +1,7 @@
 """dtype names, one table each: the names tokq accepts for a dtype and the names it prints for one.
 
-- `DTYPES` / `parse_dtype`: compute dtypes by the names --dtype, project files and `load_model` accept.
+- `DTYPES` / `parse_dtype`: compute dtypes by the names --dtype, project files and `load_model` accept;
+  `compute_dtype_name`: the name "auto" stands for on a device.
 - `DTYPE_NAMES`: the compute dtypes' short names (fp32, bf16, fp16), as kernel choices and reports print them;
   `dtype_name` names any dtype (int8, fp8_e4m3fn, ... too) in messages.
 - `FLOAT_DTYPES`: the floating-point dtypes activations, scales and float KV caches come in.
