@@ -111,8 +111,8 @@ def main() -> None:
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    from tokq.quantize.pipeline import quantize_model
-    from tokq.quantize.scheme import preset
+    from tokq.quantization.pipeline import quantize_model
+    from tokq.quantization.scheme import preset
 
     checkpoint = resolve_model(MODEL)
     start = time.perf_counter()

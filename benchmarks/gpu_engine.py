@@ -38,8 +38,8 @@ VARIANTS = {"fp16": None, "int4": ("rtn", "w4a16-g64"), "w8a8-int8": ("rtn", "w8
 
 
 def build(name: str, variant: str, dtype: torch.dtype, device: str, smoke: bool):
-    from tokq.quantize.pipeline import quantize_model
-    from tokq.quantize.scheme import preset
+    from tokq.quantization.pipeline import quantize_model
+    from tokq.quantization.scheme import preset
 
     raw = json.loads((CONFIGS / f"{name}.json").read_text())
     if smoke:

@@ -26,8 +26,8 @@ from quant_quality import RUNS, scheme_for  # noqa: E402
 
 from tokq import __version__  # noqa: E402
 from tokq.engine.checkpoint import load_model  # noqa: E402
-from tokq.quantize.methods.options import MethodOptions  # noqa: E402
-from tokq.quantize.pipeline import quantize_model  # noqa: E402
+from tokq.quantization.methods.options import MethodOptions  # noqa: E402
+from tokq.quantization.pipeline import quantize_model  # noqa: E402
 from tokq.reports.json_io import write_json  # noqa: E402
 
 

@@ -92,7 +92,7 @@ HOLD = textwrap.dedent("""
 # The real CLI, its quantize_model slowed by 8 s: stands in for a model that takes minutes to quantize.
 SLOW_QUANTIZE = textwrap.dedent("""
     import sys, time
-    import tokq.quantize.pipeline as pipeline
+    import tokq.quantization.pipeline as pipeline
     real = pipeline.quantize_model
     def slow(*args, **kwargs):
         time.sleep(8)
@@ -106,7 +106,7 @@ SLOW_QUANTIZE = textwrap.dedent("""
 # The real CLI, pausing 8 s after it wrote the weights into its temporary folder (a large checkpoint's save).
 SLOW_SAVE = textwrap.dedent("""
     import sys, time
-    import tokq.quantize.formats.compressed_tensors as ct
+    import tokq.quantization.formats.compressed_tensors as ct
     real = ct._write_safetensors
     def slow(*args, **kwargs):
         real(*args, **kwargs)

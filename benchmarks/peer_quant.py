@@ -164,8 +164,8 @@ def score_checkpoint(record: dict, base, windows, hiddens, probe: tuple[torch.Te
 
 
 def run_tokq(name: str, model: str, calib, windows, base, hiddens) -> dict:
-    from tokq.quantize.methods.options import MethodOptions
-    from tokq.quantize.pipeline import quantize_model, resolve_scheme
+    from tokq.quantization.methods.options import MethodOptions
+    from tokq.quantization.pipeline import quantize_model, resolve_scheme
 
     method, options = TOKQ_METHOD.get(name, (name, {}))
     setting, fp8 = MODELS[model], method == "fp8"

@@ -4,7 +4,7 @@ Calibration and evaluation use *different* sources of the default long-document 
 cannot look good by fitting the text it is judged on:
 
 - calibration: `<default set>/python-doc` (the Python manual), `num_samples` windows of `seq_len`
-  tokens drawn with a fixed seed (tokq.quantize.calibration.calibration_samples);
+  tokens drawn with a fixed seed (tokq.quantization.calibration.calibration_samples);
 - evaluation: `<default set>/linux-doc` (the kernel documentation), `eval_windows` windows of
   `eval_window` tokens spread evenly over its documents, scored by tokq.evalsuite.divergence
   against the fp32 base model: per-token KL(base‖quant) over the full vocabulary, top-1 agreement,
@@ -30,7 +30,7 @@ from tokq.longctx.documents import load_documents
 from tokq.longctx.text_encoding import as_text_encoder
 from tokq.longctx.windows import build_windows
 from tokq.paths import data_dir
-from tokq.quantize.calibration import CalibrationSet, calibration_samples
+from tokq.quantization.calibration import CalibrationSet, calibration_samples
 from tokq.zoo import resolve_model
 
 RESULTS = Path(__file__).parent / "results"

@@ -35,9 +35,9 @@ from quant_protocol import MODELS, RESULTS, Protocol, base_checkpoint, base_hidd
 
 from tokq import __version__  # noqa: E402
 from tokq.engine.checkpoint import load_model  # noqa: E402
-from tokq.quantize.methods.options import MethodOptions  # noqa: E402
-from tokq.quantize.pipeline import quantize_model  # noqa: E402
-from tokq.quantize.scheme import preset  # noqa: E402
+from tokq.quantization.methods.options import MethodOptions  # noqa: E402
+from tokq.quantization.pipeline import quantize_model  # noqa: E402
+from tokq.quantization.scheme import preset  # noqa: E402
 from tokq.reports.json_io import write_json  # noqa: E402
 
 

@@ -20,11 +20,11 @@ from tokq.engine.quant_formats.packing import unpack_int32_dense
 from tokq.engine.quant_linear import InputPermutedLinearMethod, QuantizedLinearMethod
 from tokq.errors import ModelError, TokqError
 from tokq.kernels.reference import FP8Weight, IntWeight
-from tokq.quantize.formats import compress_weight, compression_format, save_quantized
-from tokq.quantize.formats.compressed_tensors import _weight_args, pack_int32_dense
-from tokq.quantize.pipeline import quantize_model
-from tokq.quantize.rounding import quantize_fp8, quantize_rtn
-from tokq.quantize.scheme import CHANNEL, GROUP, QuantScheme, WeightArgs, preset
+from tokq.quantization.formats import compress_weight, compression_format, save_quantized
+from tokq.quantization.formats.compressed_tensors import _weight_args, pack_int32_dense
+from tokq.quantization.pipeline import quantize_model
+from tokq.quantization.rounding import quantize_fp8, quantize_rtn
+from tokq.quantization.scheme import CHANNEL, GROUP, QuantScheme, WeightArgs, preset
 
 IDS = torch.randint(0, BASE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(7))
 

@@ -311,7 +311,7 @@ def test_recipe_hash_reuse_rebuild_and_interrupted_rebuild(project, tmp_path, mo
     assert report["variants"]["rtn"]["compare"]["b"]["sha256"] != report["variants"]["rtn"]["compare"]["a"]["sha256"]
 
     # A rebuild interrupted half-way keeps the complete old checkpoint (and its hash).
-    from tokq.quantize import pipeline
+    from tokq.quantization import pipeline
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -340,7 +340,7 @@ def test_checkpoint_not_built_from_its_recipe_is_refused(project, tmp_path, caps
 
 
 def test_a_bug_while_building_a_variant_exits_4_not_blaming_the_recipe(project, tmp_path, monkeypatch, capsys):
-    from tokq.quantize import pipeline
+    from tokq.quantization import pipeline
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel bug")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tokq.errors import ConfigError, TokqError
-from tokq.quantize.gptq_solver import HessianAccumulator, gptq_quantize
-from tokq.quantize.rounding import quantize_rtn, quantize_with
-from tokq.quantize.scheme import WeightArgs
+from tokq.quantization.gptq_solver import HessianAccumulator, gptq_quantize
+from tokq.quantization.rounding import quantize_rtn, quantize_with
+from tokq.quantization.scheme import WeightArgs
 
 SYM64 = WeightArgs(bits=4, symmetric=True, strategy="group", group_size=64)
 ASYM64 = WeightArgs(bits=4, symmetric=False, strategy="group", group_size=64)

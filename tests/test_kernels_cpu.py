@@ -298,9 +298,9 @@ def test_kernels_list_cli(tmp_path, capsys):
     from tests.test_models_vs_hf import make_hf_checkpoint
     from tokq.cli import main
     from tokq.engine.checkpoint import load_model
-    from tokq.quantize.formats import save_quantized
-    from tokq.quantize.pipeline import quantize_model
-    from tokq.quantize.scheme import preset
+    from tokq.quantization.formats import save_quantized
+    from tokq.quantization.pipeline import quantize_model
+    from tokq.quantization.scheme import preset
 
     src = tmp_path / "src"
     make_hf_checkpoint("llama", src)

@@ -6,7 +6,7 @@ import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["engine", "kernels", "quantize", "longctx", "evalsuite", "reports"]
+PARTS = ["engine", "kernels", "quantization", "longctx", "evalsuite", "reports"]
 
 
 def test_each_part_is_a_tokq_subpackage():
@@ -50,7 +50,7 @@ def test_kernels_import_nothing_else_of_tokq():
 def test_engine_never_imports_quantize_or_evalsuite():
     for path in (ROOT / "tokq" / "engine").rglob("*.py"):
         text = path.read_text()
-        for banned in ("tokq.quantize", "tokq.evalsuite", "tokq.longctx", "tokq.reports"):
+        for banned in ("tokq.quantization", "tokq.evalsuite", "tokq.longctx", "tokq.reports"):
             assert banned not in text, f"{path} imports {banned}"
 
 

@@ -29,14 +29,14 @@ from tokq.errors import ConfigError, DataError, TokqError
 from tokq.evalsuite.divergence import divergence, final_hidden, window_divergence
 from tokq.kernels.reference import FP8_E4M3_MAX, FP8Weight
 from tokq.longctx.windows import TokenWindow
-from tokq.quantize import pipeline
-from tokq.quantize.calibration import CalibrationSet, calibration_samples, capture_inputs
-from tokq.quantize.formats import save_quantized
-from tokq.quantize.mappings import block_mappings, fold_scales_
-from tokq.quantize.methods import awq, rtn
-from tokq.quantize.methods.options import MethodOptions
-from tokq.quantize.pipeline import check_method_scheme, quantize_model, resolve_scheme
-from tokq.quantize.scheme import preset
+from tokq.quantization import pipeline
+from tokq.quantization.calibration import CalibrationSet, calibration_samples, capture_inputs
+from tokq.quantization.formats import save_quantized
+from tokq.quantization.mappings import block_mappings, fold_scales_
+from tokq.quantization.methods import awq, rtn
+from tokq.quantization.methods.options import MethodOptions
+from tokq.quantization.pipeline import check_method_scheme, quantize_model, resolve_scheme
+from tokq.quantization.scheme import preset
 
 VOCAB = BASE["vocab_size"]
 SHAPE = dict(intermediate_size=128, num_hidden_layers=2)  # group sizes 16/32/64 divide every layer
@@ -539,8 +539,8 @@ def test_quantized_model_roundtrip(case, method, scheme, tmp_path):
 def test_capture_stopping_early_sees_the_same_inputs(case, tmp_path):
     """BlockContext.capture cuts each forward after `stop_after`; the inputs it records must be the
     ones a full forward records (GPTQ's Hessians are built from them)."""
-    from tokq.quantize.calibration import BlockwiseRunner
-    from tokq.quantize.methods.gptq import EXECUTION_ORDER
+    from tokq.quantization.calibration import BlockwiseRunner
+    from tokq.quantization.methods.gptq import EXECUTION_ORDER
 
     model = load_model(write_checkpoint(tmp_path, case))  # gemma3: sliding and full attention layers
     calib = CalibrationSet(CALIB.tokens[:5], "random", "-", 0, 5)

@@ -110,3 +110,19 @@ def test_long_modules_say_why_at_the_top():
             docstring = ast.get_docstring(ast.parse(text)) or ""
             head = "\n".join(docstring.splitlines()[:6])
             assert "Over 400 lines:" in head, f"{path.relative_to(ROOT)} has {text.count(chr(10))} lines and no reason"
+
+
+def test_no_api_name_is_shadowed_by_a_submodule():
+    """Importing tokq.X sets the attribute tokq.X to that module: an API function of the same name (a package
+    tokq/quantize/ beside tokq.quantize()) would turn into a module once anything imported the package."""
+    import tokq
+
+    submodules = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    assert not set(tokq.__all__) & submodules
+    import subprocess
+    import sys
+
+    code = ("import tokq.quantization.pipeline, tokq.api.compare, tokq\n"
+            "assert tokq.quantize.__module__ == 'tokq.api.quantize' and callable(tokq.compare), tokq.quantize")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr

@@ -195,7 +195,7 @@ def test_nan_weight_names_the_layer(capsys, project, checkpoint, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing_that_looks_complete(capsys, project, checkpoint, monkeypatch):
-    import tokq.quantize.formats.compressed_tensors as ct
+    import tokq.quantization.formats.compressed_tensors as ct
 
     real = ct._write_safetensors
 

@@ -1,4 +1,4 @@
-"""tokq.toml recipe keys (tokq.quantize.recipe) are the QuantizeSettings fields, which are `tokq quantize`'s
+"""tokq.toml recipe keys (tokq.quantization.recipe) are the QuantizeSettings fields, which are `tokq quantize`'s
 options by the same names: one name per concept in the CLI, tokq.toml and Python."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import inspect
 from dataclasses import fields
 
 from tokq.commands.quantize import quantize_cmd
-from tokq.quantize.recipe import RUNTIME_KEYS, recipe_options, split_recipe
+from tokq.quantization.recipe import RUNTIME_KEYS, recipe_options, split_recipe
 from tokq.settings import QuantizeSettings
 
 

@@ -61,7 +61,7 @@ from tokq.kernels.triton.w4a16_layout import (  # noqa: E402
     pack_int_weight,
     unpack_int_weight,
 )
-from tokq.quantize.formats.compressed_tensors import compress_weight  # noqa: E402
+from tokq.quantization.formats.compressed_tensors import compress_weight  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

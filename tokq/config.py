@@ -53,7 +53,7 @@ from tokq.config_checker import Checker, table_error
 from tokq.errors import ConfigError
 from tokq.evalsuite.rule_defs import QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
 from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
-from tokq.quantize.recipe import recipe_options
+from tokq.quantization.recipe import recipe_options
 from tokq.zoo_catalog import ZOO
 
 if sys.version_info >= (3, 11):
@@ -300,7 +300,7 @@ def _check_recipe(check: Checker, name: str, recipe: dict) -> None:
                                                f"(as `tokq quantize {option.flag}` takes it)")
         if key == "calib" and not (isinstance(value, str) and value):  # the gate makes a Path of it
             raise check.fail("variants", name, f"recipe calib = {value!r} must be a folder path (a string)")
-    from tokq.quantize.pipeline import METHODS
+    from tokq.quantization.pipeline import METHODS
 
     if recipe["method"] not in METHODS:
         raise check.fail("variants", name, f"recipe method = {recipe['method']!r} is not a method; choose one of "

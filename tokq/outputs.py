@@ -47,7 +47,7 @@ def _legacy_report(folder: Path, entries: set[str]) -> bool:
 
 
 _WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
-# The tokenizer files a checkpoint carries beside its weights (quantize.formats.compressed_tensors copies them).
+# The tokenizer files a checkpoint carries beside its weights (quantization.formats.compressed_tensors copies them).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",

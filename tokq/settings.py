@@ -19,7 +19,7 @@ class QuantizeSettings:
     """`tokq quantize` options; also the keys of a tokq.toml recipe (`recipe = { method = "awq", ... }`)."""
 
     method: str
-    scheme: str | None = None  # default: the method's (quantize.pipeline.DEFAULT_SCHEMES)
+    scheme: str | None = None  # default: the method's (quantization.pipeline.DEFAULT_SCHEMES)
     bits: int | None = None
     group_size: int | None = None  # -1: per-channel
     sym: bool | None = None

@@ -239,7 +239,7 @@ def test_second_quantize_on_the_same_out_fails_fast(capsys, checkpoint, project,
 
 SLOW_QUANTIZE = textwrap.dedent("""
     import sys, time
-    import tokq.quantize.pipeline as pipeline
+    import tokq.quantization.pipeline as pipeline
     real = pipeline.quantize_model
     def slow(*args, **kwargs):
         time.sleep(8)

@@ -202,7 +202,7 @@ def variant_target(project, name: str) -> Path:
 
 def _check_variant(project, name: str) -> None:
     """Before any work: the checkpoint exists or can be built, and a recipe's checkpoint was built from a recipe."""
-    from tokq.quantize.pipeline import recorded_recipe_sha256
+    from tokq.quantization.pipeline import recorded_recipe_sha256
 
     target = variant_target(project, name)
     recipe = project.variants[name].recipe
@@ -238,8 +238,8 @@ def _checkpoint(project, name: str, threads: int | None) -> Path:
 def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | None) -> Path:
     from tokq.api.quantize import run_quantize
     from tokq.evalsuite.baseline_cache import model_hash
-    from tokq.quantize.pipeline import recipe_sha256, recorded_recipe_sha256
-    from tokq.quantize.recipe import split_recipe
+    from tokq.quantization.pipeline import recipe_sha256, recorded_recipe_sha256
+    from tokq.quantization.recipe import split_recipe
     from tokq.settings import QuantizeSettings
 
     base = base_checkpoint(project)

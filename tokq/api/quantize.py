@@ -39,7 +39,7 @@ class QuantizeResult:
     checkpoint: Path  # the quantized checkpoint written
     source_checkpoint: Path
     scheme: str
-    run: object  # quantize.pipeline.MethodRun: per-block statistics, options, calibration
+    run: object  # quantization.pipeline.MethodRun: per-block statistics, options, calibration
     seconds: float
     write_seconds: float
     peak_rss_mib: float
@@ -106,10 +106,10 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
     from tokq.longctx.read_limits import read_limits
     from tokq.outputs import CHECKPOINT, check_replaceable, output_lock
     from tokq.paths import data_dir
-    from tokq.quantize.calibration import calibration_samples
-    from tokq.quantize.formats.compressed_tensors import save_quantized
-    from tokq.quantize.methods.options import MethodOptions
-    from tokq.quantize.pipeline import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
+    from tokq.quantization.calibration import calibration_samples
+    from tokq.quantization.formats.compressed_tensors import save_quantized
+    from tokq.quantization.methods.options import MethodOptions
+    from tokq.quantization.pipeline import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
 

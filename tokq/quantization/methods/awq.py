@@ -18,17 +18,17 @@ from __future__ import annotations
 import torch
 
 from tokq.engine.layers import Linear
-from tokq.quantize.calibration import BlockContext
-from tokq.quantize.mappings import block_mappings, fold_scales_
-from tokq.quantize.methods.block_ops import (
+from tokq.quantization.calibration import BlockContext
+from tokq.quantization.mappings import block_mappings, fold_scales_
+from tokq.quantization.methods.block_ops import (
     block_linears,
     capture_block_inputs,
     install_,
     quantize_weight,
 )
-from tokq.quantize.methods.options import MethodOptions
-from tokq.quantize.rounding import fake_quantize
-from tokq.quantize.scheme import QuantScheme, WeightArgs
+from tokq.quantization.methods.options import MethodOptions
+from tokq.quantization.rounding import fake_quantize
+from tokq.quantization.scheme import QuantScheme, WeightArgs
 
 
 def _weight_magnitude(w: torch.Tensor, args: WeightArgs) -> torch.Tensor:

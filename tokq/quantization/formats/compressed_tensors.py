@@ -43,7 +43,7 @@ from tokq.errors import TokqError
 from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
 from tokq.outputs import CHECKPOINT, TOKENIZER_FILES
 from tokq.paths import atomic_directory
-from tokq.quantize.scheme import CHANNEL, QuantScheme
+from tokq.quantization.scheme import CHANNEL, QuantScheme
 
 log = logging.getLogger("tokq")
 

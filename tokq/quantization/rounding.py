@@ -11,7 +11,7 @@ import torch
 
 from tokq.errors import TokqError
 from tokq.kernels.reference import FP8_E4M3_MAX, FP8Weight, IntWeight
-from tokq.quantize.scheme import CHANNEL, WeightArgs
+from tokq.quantization.scheme import CHANNEL, WeightArgs
 
 
 def _grouped(w: torch.Tensor, args: WeightArgs) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The model must be loaded in fp32 (or the dtype the method should search in); every quantized
 Linear is swapped for its quantized form, so the same object can be scored right away or written
-out by `quantize.formats`. `recipe_sha256` identifies a tokq.toml recipe applied to one base model: the gate
+out by `quantization.formats`. `recipe_sha256` identifies a tokq.toml recipe applied to one base model: the gate
 records it in the checkpoint it builds and rebuilds when it changes.
 """
 
@@ -19,10 +19,10 @@ from types import ModuleType
 
 from tokq.engine.models import CausalLM
 from tokq.errors import ConfigError
-from tokq.quantize.calibration import BlockContext, BlockwiseRunner, CalibrationSet
-from tokq.quantize.methods import awq, gptq, rtn, smoothquant
-from tokq.quantize.methods.options import MethodOptions
-from tokq.quantize.scheme import CHANNEL, GROUP, QuantScheme, preset
+from tokq.quantization.calibration import BlockContext, BlockwiseRunner, CalibrationSet
+from tokq.quantization.methods import awq, gptq, rtn, smoothquant
+from tokq.quantization.methods.options import MethodOptions
+from tokq.quantization.scheme import CHANNEL, GROUP, QuantScheme, preset
 
 METHODS: dict[str, ModuleType] = {"rtn": rtn, "awq": awq, "gptq": gptq, "smoothquant": smoothquant, "fp8": rtn}
 DEFAULT_SCHEMES = {"rtn": "w4a16", "awq": "w4a16", "gptq": "w4a16", "smoothquant": "w8a8-int8", "fp8": "w8a8-fp8"}

@@ -15,11 +15,11 @@ import copy
 import torch
 
 from tokq.engine.layers import Linear
-from tokq.quantize.calibration import BlockContext, capture_inputs
-from tokq.quantize.mappings import block_mappings, fold_scales_
-from tokq.quantize.methods.block_ops import block_linears, install_, quantize_weight
-from tokq.quantize.methods.options import MethodOptions
-from tokq.quantize.scheme import QuantScheme
+from tokq.quantization.calibration import BlockContext, capture_inputs
+from tokq.quantization.mappings import block_mappings, fold_scales_
+from tokq.quantization.methods.block_ops import block_linears, install_, quantize_weight
+from tokq.quantization.methods.options import MethodOptions
+from tokq.quantization.scheme import QuantScheme
 
 
 @torch.no_grad()

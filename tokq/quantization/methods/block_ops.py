@@ -9,9 +9,9 @@ import torch
 from tokq.engine.layers import Linear
 from tokq.engine.quant_linear import quantize_linear_
 from tokq.kernels.reference import QuantizedWeight
-from tokq.quantize.calibration import BlockContext, capture_inputs
-from tokq.quantize.rounding import check_finite, quantize_fp8, quantize_rtn
-from tokq.quantize.scheme import QuantScheme
+from tokq.quantization.calibration import BlockContext, capture_inputs
+from tokq.quantization.rounding import check_finite, quantize_fp8, quantize_rtn
+from tokq.quantization.scheme import QuantScheme
 
 
 def block_linears(ctx: BlockContext, scheme: QuantScheme) -> dict[str, Linear]:

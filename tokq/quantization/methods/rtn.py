@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tokq.quantize.calibration import BlockContext
-from tokq.quantize.methods.block_ops import block_linears, install_, quantize_weight
-from tokq.quantize.methods.options import MethodOptions
-from tokq.quantize.scheme import QuantScheme
+from tokq.quantization.calibration import BlockContext
+from tokq.quantization.methods.block_ops import block_linears, install_, quantize_weight
+from tokq.quantization.methods.options import MethodOptions
+from tokq.quantization.scheme import QuantScheme
 
 
 def quantize_block(ctx: BlockContext, scheme: QuantScheme, options: MethodOptions) -> dict:

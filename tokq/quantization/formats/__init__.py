@@ -4,6 +4,6 @@ Reading (compressed-tensors, AutoGPTQ, AutoAWQ) lives in `tokq.engine.quant_form
 loads checkpoints and never imports quantize.
 """
 
-from tokq.quantize.formats.compressed_tensors import compress_weight, compression_format, save_quantized
+from tokq.quantization.formats.compressed_tensors import compress_weight, compression_format, save_quantized
 
 __all__ = ["compress_weight", "compression_format", "save_quantized"]

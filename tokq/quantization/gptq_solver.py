@@ -62,8 +62,8 @@ import torch
 
 from tokq.errors import ConfigError, TokqError
 from tokq.kernels.reference import IntWeight
-from tokq.quantize.rounding import check_finite, int_qparams
-from tokq.quantize.scheme import CHANNEL, WeightArgs
+from tokq.quantization.rounding import check_finite, int_qparams
+from tokq.quantization.scheme import CHANNEL, WeightArgs
 
 log = logging.getLogger("tokq")
 

@@ -3,16 +3,16 @@
 Within a block the linears are quantized in execution order (qkv, o, gate/up, down) when
 `true_sequential` is on: each one's Hessian is collected with the earlier ones already
 quantized, so later layers learn to compensate for the earlier layers' rounding, as they will
-see it at run time. The per-layer algorithm lives in `quantize.gptq_solver`.
+see it at run time. The per-layer algorithm lives in `quantization.gptq_solver`.
 """
 
 from __future__ import annotations
 
 from tokq.engine.quant_linear import quantize_linear_
-from tokq.quantize.calibration import BlockContext
-from tokq.quantize.gptq_solver import HessianAccumulator, gptq_quantize
-from tokq.quantize.methods.block_ops import block_linears
-from tokq.quantize.methods.options import MethodOptions
+from tokq.quantization.calibration import BlockContext
+from tokq.quantization.gptq_solver import HessianAccumulator, gptq_quantize
+from tokq.quantization.methods.block_ops import block_linears
+from tokq.quantization.methods.options import MethodOptions
 
 EXECUTION_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
