@@ -21,6 +21,7 @@ def readme_api_example() -> str:
 
 
 def test_readme_api_example_runs(tmp_path, monkeypatch, capsys):
+    from tokq.config import tomllib
     from tokq.evalsuite import baseline_cache
 
     monkeypatch.setattr(baseline_cache, "cache_dir", lambda: tmp_path / "cache")  # models stay in the shared home
@@ -34,7 +35,7 @@ def test_readme_api_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(readme_api_example(), str(README), "exec"), {"__name__": "readme_example"})
     out = capsys.readouterr().out
     assert (tmp_path / "smollm2-awq" / "tokq_quantization.json").is_file()
-    assert 'awq = { path = "smollm2-awq" }' in (tmp_path / "tokq.toml").read_text()
+    assert tomllib.loads((tmp_path / "tokq.toml").read_text())["variants"]["awq"] == {"path": "smollm2-awq"}
     compare = json.loads((tmp_path / "compare-report" / "report.json").read_text())
     assert compare["b"]["name"] == "awq" and compare["windows"]["count"] == 8
     gate = json.loads((tmp_path / "gate-report" / "report.json").read_text())
