@@ -294,8 +294,14 @@ def test_ctrl_c_while_building_a_recipe_is_an_interrupt(capsys, models, docs, tm
 
     module, _, name = where.rpartition(".")
     monkeypatch.setattr(importlib.import_module(module), name, interrupted)
-    code = main(["gate", "--config", str(_recipe_project(models, docs, tmp_path)), "--out", str(tmp_path / "r"),
-                 "--threads", "1"])
+    # Python's own Ctrl-C handler, as in a terminal: a test run started in the background (nohup, `&` in a script)
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main(["gate", "--config", str(_recipe_project(models, docs, tmp_path)), "--out", str(tmp_path / "r"),
+                     "--threads", "1"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert code == 130 and "aborted" in err and "fix the recipe" not in err and "error:" not in err, err
     assert not (tmp_path / "r").exists() and not (tmp_path / "built" / "rtn").exists()
