@@ -307,3 +307,20 @@ def test_the_former_ci_key_still_reads_with_a_warning(tmp_path, caplog):
     path.write_text('[base]\nmodel = "m"\n[gate.quality]\nci = "point"\nthreshold_on = "point"\nmax_kl = 0.05\n')
     with pytest.raises(ConfigError, match="same setting"):
         load_project(path)
+
+
+def test_checking_tokq_toml_loads_no_torch(tmp_path):
+    """`tokq init` and every tokq.toml check stay light: recipes, bucketed rules and data sets are checked
+    against light tables (quantization.recipe, evalsuite.rule_defs), not the modules that compute."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "tokq.toml"
+    path.write_text('[base]\nmodel = "smollm2-135m"\n[variants]\na = { path = "x", recipe = { method = "awq", '
+                    'group_size = 64 } }\n[data.d]\npath = "."\n[gate.quality]\nmax_kl = { overall = 0.1, '
+                    '"1K-2K" = 0.2 }\n')
+    code = ("import sys; from pathlib import Path; from tokq.config import load_project; "
+            f"p = load_project(Path({str(path)!r})); assert p.variants['a'].recipe['method'] == 'awq'; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -37,3 +37,10 @@ def test_split_recipe_keeps_device_apart():
     settings, runtime = split_recipe({"method": "rtn", "group_size": 32, "device": "cpu"})
     assert settings == {"method": "rtn", "group_size": 32} and runtime == {"device": "cpu"}
     QuantizeSettings(**settings)  # the rest builds the settings object the gate quantizes with
+
+
+def test_method_names_are_the_pipeline_methods():
+    from tokq.quantization.pipeline import METHODS
+    from tokq.quantization.recipe import METHOD_NAMES
+
+    assert tuple(METHODS) == METHOD_NAMES

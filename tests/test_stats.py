@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from tokq.evalsuite.rule_defs import POSITION_BUCKETS
 from tokq.evalsuite.stats import quantiles
-from tokq.evalsuite.stats.aggregation import POSITION_BUCKETS, aggregate, bucket_of
+from tokq.evalsuite.stats.aggregation import aggregate, bucket_of
 from tokq.evalsuite.stats.bootstrap import mean_interval, paired_bootstrap, per_document_means, ppl_ratio_from
 from tokq.evalsuite.stats.estimate import FEW_DOCUMENTS, Estimate
 from tokq.evalsuite.stats.exact import clopper_pearson, mcnemar_exact, proportion

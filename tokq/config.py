@@ -51,9 +51,9 @@ from typing import Any
 
 from tokq.config_checker import Checker, table_error
 from tokq.errors import ConfigError
-from tokq.evalsuite.rule_defs import QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
+from tokq.evalsuite.rule_defs import POSITION_BUCKETS, QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
 from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
-from tokq.quantization.recipe import recipe_options
+from tokq.quantization.recipe import METHOD_NAMES, recipe_options
 from tokq.zoo_catalog import ZOO
 
 if sys.version_info >= (3, 11):
@@ -300,11 +300,9 @@ def _check_recipe(check: Checker, name: str, recipe: dict) -> None:
                                                f"(as `tokq quantize {option.flag}` takes it)")
         if key == "calib" and not (isinstance(value, str) and value):  # the gate makes a Path of it
             raise check.fail("variants", name, f"recipe calib = {value!r} must be a folder path (a string)")
-    from tokq.quantization.pipeline import METHODS
-
-    if recipe["method"] not in METHODS:
+    if recipe["method"] not in METHOD_NAMES:
         raise check.fail("variants", name, f"recipe method = {recipe['method']!r} is not a method; choose one of "
-                                           f"{', '.join(METHODS)}")
+                                           f"{', '.join(METHOD_NAMES)}")
 
 
 def _data_set(check: Checker, path: Path, name: str, entry: dict) -> DataSet:
@@ -346,7 +344,6 @@ def _rules(check: Checker, gate: dict, table: str, known: dict[str, str], bucket
 
 
 def _bucket_labels() -> list[str]:
-    from tokq.evalsuite.stats.aggregation import POSITION_BUCKETS
 
     return [label for _, _, label in POSITION_BUCKETS]
 

@@ -52,3 +52,18 @@ def _direction(name: str) -> str:
 # rule -> "max" or "min", as tokq.toml's [gate.quality] / [compare.thresholds] and [gate.speed] take them
 QUALITY_RULES = {name: direction for name, (_, direction) in THRESHOLD_METRICS.items()}
 SPEED_RULES = {name: _direction(name) for name in (*SPEED_MEASURES, *MEMORY_MEASURES)}
+
+# Position buckets are powers of two from 512: quality loss from quantization or KV compression
+# typically grows with distance into the context, and doubling widths keep every bucket populated
+# with comparable numbers of tokens per octave of context length.
+POSITION_BUCKETS: list[tuple[int, int, str]] = [
+    (0, 512, "0-511"),
+    (512, 1024, "512-1K"),
+    (1024, 2048, "1K-2K"),
+    (2048, 4096, "2K-4K"),
+    (4096, 8192, "4K-8K"),
+    (8192, 16384, "8K-16K"),
+    (16384, 32768, "16K-32K"),
+    (32768, 65536, "32K-64K"),
+    (65536, 131072, "64K-128K"),
+]

@@ -16,6 +16,9 @@ from typing import Any
 
 from tokq.settings import QuantizeSettings
 
+# The methods `tokq quantize --method` takes, in its order (quantization.pipeline.METHODS maps each to its
+# module; tests/test_recipe.py keeps the two equal). Here so that tokq.toml is checked without loading torch.
+METHOD_NAMES = ("rtn", "awq", "gptq", "smoothquant", "fp8")
 RUNTIME_KEYS = {"device": str}  # not a setting of the method: passed to tokq.quantize as device=
 
 

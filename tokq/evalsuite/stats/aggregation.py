@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokq.evalsuite.rule_defs import POSITION_BUCKETS
+
 from .bootstrap import check_doc_index, paired_bootstrap, per_document_means, ppl_ratio_from, rms_from
 from .estimate import DEFAULT_CONFIDENCE, FEW_DOCUMENTS, INF, Estimate, few_documents_warning
 from .quantiles import cluster_quantiles
@@ -16,21 +18,6 @@ from .quantiles import cluster_quantiles
 log = logging.getLogger("tokq")
 
 Tensor = torch.Tensor
-
-# Position buckets are powers of two from 512: quality loss from quantization or KV compression
-# typically grows with distance into the context, and doubling widths keep every bucket populated
-# with comparable numbers of tokens per octave of context length.
-POSITION_BUCKETS: list[tuple[int, int, str]] = [
-    (0, 512, "0-511"),
-    (512, 1024, "512-1K"),
-    (1024, 2048, "1K-2K"),
-    (2048, 4096, "2K-4K"),
-    (4096, 8192, "4K-8K"),
-    (8192, 16384, "8K-16K"),
-    (16384, 32768, "16K-32K"),
-    (32768, 65536, "32K-64K"),
-    (65536, 131072, "64K-128K"),
-]
 
 # Where each aggregated metric can lie: interval bounds are clipped to it (the true mean lies there too,
 # so clipping never loses coverage), and with a single document the interval is the whole range.
