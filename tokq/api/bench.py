@@ -51,6 +51,21 @@ def bench(models: list[str | Path] | str | Path, *, threads: int | None = None, 
     return run_bench(names, s, runtime)
 
 
+def bench_endpoint(base_url: str, **options) -> dict:
+    """Benchmark an OpenAI-compatible server from the client side (vLLM's `bench serve`); options are
+    tokq.remote.bench_serve.ServeBenchSettings fields. Returns vLLM's result dict."""
+    from tokq.remote.bench_serve import ServeBenchSettings
+
+    return run_bench_endpoint(settings_from(ServeBenchSettings, {"base_url": base_url, **options},
+                                            "tokq.api.bench.bench_endpoint"))
+
+
+def run_bench_endpoint(s) -> dict:
+    from tokq.remote.bench_serve import run_serve_bench
+
+    return run_serve_bench(s)
+
+
 def run_bench(variants: list[str], s: BenchSettings, runtime) -> BenchResult:
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config

@@ -1,7 +1,8 @@
 """`tokq bench A [B ...]`: serve one workload with each variant on tokq's engine; one table of serving metrics.
+`tokq bench --base-url URL`: the same kind of workload sent to any OpenAI-compatible server (vLLM's `bench serve`).
 
-The work is `tokq.api.bench` (also `tokq.bench(...)` from Python); this module parses the options and prints
-the table.
+The work is `tokq.api.bench` (also `tokq.bench(...)` from Python) and `tokq.remote.bench_serve`; this module
+parses the options and prints the table. The options also answer to vLLM's names (--random-input-len, ...).
 """
 
 from __future__ import annotations
@@ -17,18 +18,23 @@ console = Console(stderr=True)
 
 
 def bench_cmd(
-    variants: list[str] = typer.Argument(..., help="Checkpoint directories, zoo names or tokq.toml variants."),
-    prompt_len: int = typer.Option(512, "--prompt-len", help="Prompt tokens per request."),
-    gen_len: int = typer.Option(256, "--gen-len", help="Output tokens per request (the mean with --gen-len-range)."),
+    variants: list[str] = typer.Argument(None, help="Checkpoint directories, zoo names or tokq.toml variants "
+                                                    "(none with --base-url)."),
+    prompt_len: int = typer.Option(512, "--prompt-len", "--random-input-len", help="Prompt tokens per request."),
+    gen_len: int = typer.Option(256, "--gen-len", "--random-output-len",
+                                help="Output tokens per request (the mean with --gen-len-range)."),
     gen_len_range: float = typer.Option(0.0, "--gen-len-range",
                                         help="Mixed output lengths: uniform in gen-len x [1 - r, 1 + r] (0: fixed)."),
-    concurrency: int = typer.Option(16, "--concurrency", help="Requests served at once (the engine's max_num_seqs)."),
-    num_prompts: int = typer.Option(None, "--num-prompts", help="Requests in the workload (default: --concurrency)."),
+    concurrency: int = typer.Option(None, "--concurrency", "--max-concurrency",
+                                    help="Requests served at once (the engine's max_num_seqs; default 16). With "
+                                         "--base-url: requests in flight (default: no limit)."),
+    num_prompts: int = typer.Option(None, "--num-prompts", help="Requests in the workload (default: --concurrency, "
+                                                                "or 16 without one)."),
     static: bool = typer.Option(False, "--static", help="Also run static batching for comparison (a fixed batch runs "
                                                         "until its longest member finishes; finished members keep "
                                                         "computing as padding)."),
-    arrival_rate: float = typer.Option(math.inf, "--arrival-rate", help="Poisson arrivals, requests per second "
-                                                                       "(default: all at once)."),
+    arrival_rate: float = typer.Option(math.inf, "--arrival-rate", "--request-rate",
+                                       help="Poisson arrivals, requests per second (default: all at once)."),
     draft: str = typer.Option(None, "--draft", help="A draft model for speculative decoding (adds a 'speculative' row)."),
     num_speculative: int = typer.Option(4, "--num-speculative", help="Tokens the draft proposes per step."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
@@ -41,8 +47,51 @@ def bench_cmd(
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompts, output lengths and arrivals."),
+    base_url: str = typer.Option(None, "--base-url", help="Benchmark this OpenAI-compatible server (e.g. "
+                                                          "http://127.0.0.1:8000) from the client side instead."),
+    endpoint: str = typer.Option("/v1/completions", "--endpoint", help="With --base-url: /v1/completions or "
+                                                                       "/v1/chat/completions."),
+    model: str = typer.Option(None, "--model", help="With --base-url: the served model's name (default: the "
+                                                    "first id of GET /v1/models)."),
+    tokenizer: str = typer.Option(None, "--tokenizer", help="With --base-url: checkpoint folder, zoo name or "
+                                                            "variant whose tokenizer builds and counts the tokens "
+                                                            "(default: --model when it is one)."),
+    dataset_name: str = typer.Option(None, "--dataset-name", help="With --base-url: random or docs (prompts cut "
+                                                                  "from --data; the default when --data is given)."),
+    random_range_ratio: float = typer.Option(0.0, "--random-range-ratio",
+                                             help="With --base-url: prompt and output lengths uniform in "
+                                                  "len x [1 - r, 1 + r]."),
+    percentile_metrics: str = typer.Option("ttft,tpot,itl", "--percentile-metrics",
+                                           help="With --base-url: metrics to report percentiles of "
+                                                "(ttft,tpot,itl,e2el)."),
+    metric_percentiles: str = typer.Option("99", "--metric-percentiles",
+                                           help="With --base-url: percentiles to report, e.g. 50,90,99."),
+    save_result: bool = typer.Option(False, "--save-result", help="With --base-url: write the result JSON "
+                                                                  "(vLLM's file name unless --result-filename)."),
+    result_filename: Path = typer.Option(None, "--result-filename", help="With --base-url: the JSON's path."),
+    timeout: float = typer.Option(600.0, "--timeout", help="With --base-url: seconds one request may take, "
+                                                           "retries included."),
 ) -> None:
-    """Serve one workload with each variant (and mode) on tokq's engine and print one table."""
+    """Serve one workload with each variant (and mode) on tokq's engine and print one table; with --base-url,
+    send it to an OpenAI-compatible server and print vLLM's summary."""
+    if base_url is not None:
+        from tokq.remote.bench_serve import ServeBenchSettings
+
+        if variants:
+            from tokq.errors import ConfigError
+
+            raise ConfigError(f"tokq bench --base-url measures the server, not {', '.join(variants)}: drop the "
+                              "model arguments (name the served model with --model)")
+        settings = ServeBenchSettings(
+            base_url, endpoint=endpoint, model=model, tokenizer=tokenizer,
+            dataset_name=dataset_name or ("docs" if documents else "random"), data=documents,
+            num_prompts=num_prompts or concurrency or 16, random_input_len=prompt_len, random_output_len=gen_len,
+            random_range_ratio=random_range_ratio, max_concurrency=concurrency, request_rate=arrival_rate,
+            percentile_metrics=percentile_metrics, metric_percentiles=metric_percentiles, seed=seed,
+            timeout_s=timeout)
+        _bench_endpoint(settings, json_path, save_result, result_filename)
+        return
+    concurrency = concurrency or 16
     from tokq.api.bench import run_bench
     from tokq.reports.json_io import check_json_target, write_json
     from tokq.runtime import setup_runtime
@@ -59,6 +108,27 @@ def bench_cmd(
     _print_table(result.rows, result.workload, runtime, result.dtype, result.bandwidth["start"])
     if json_path:
         write_json(json_path, result.to_json())
+
+
+def _bench_endpoint(settings, json_path: Path | None, save_result: bool, result_filename: Path | None) -> None:
+    from tokq.api.bench import run_bench_endpoint
+    from tokq.remote.bench_serve import (
+        default_result_filename,
+        format_result,
+        parse_metric_percentiles,
+        parse_percentile_metrics,
+    )
+    from tokq.reports.json_io import check_json_target, write_json
+
+    check_json_target(json_path)
+    check_json_target(result_filename, "--result-filename")
+    result = run_bench_endpoint(settings)
+    print(format_result(result, parse_percentile_metrics(settings.percentile_metrics),
+                        parse_metric_percentiles(settings.metric_percentiles)))
+    if save_result or result_filename:
+        write_json(result_filename or Path(default_result_filename(result)), result, "--result-filename")
+    if json_path:
+        write_json(json_path, result)
 
 
 def _ms(seconds: float | None) -> str:
