@@ -25,7 +25,8 @@ enable_prefix_caching, chunked_prefill, static, memory_fraction, attention_kerne
 This is wiring only. `generate` is `LLMEngine.generate` (continuous batching over the paged KV cache;
 `SamplingParams` is `tokq.engine.sampling.SamplingParams`), with every request checked before any runs;
 each output is the engine's `RequestOutput` (`token_ids`, `text`, `prompt_token_ids`, `finish_reason`,
-`metrics`) with `prompt` set to the prompt's text (None for token ids). `score` is `LLMEngine.score`: each
+`metrics`, and `logprobs` / `prompt_logprobs` (lists of `TokenLogprob`) when SamplingParams asked for them)
+with `prompt` set to the prompt's text (None for token ids). `score` is `LLMEngine.score`: each
 text or token list runs as one prompt through chunked prefill, keeping the log-probability of every
 actual next token (`WindowScores`: `token_ids`, `logprobs`, `nll`, the top-k with `topk=`). Text is
 tokenized with the model's special tokens (BOS where it uses one). `llm.engine` is the engine itself

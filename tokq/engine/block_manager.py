@@ -110,8 +110,8 @@ class BlockManager:
         tokens start with (leaving at least one token to compute)."""
         assert not seq.block_table and seq.num_computed == 0
         self._hashes[seq.seq_id] = _SeqHashes()
-        if not self.enable_prefix_caching or seq.score is not None:
-            return 0  # a scoring request needs the logits of every position: nothing may be skipped
+        if not self.enable_prefix_caching or seq.needs_every_position:
+            return 0  # scoring or prompt logprobs need the logits of every position: nothing may be skipped
         bs, tokens = self.block_size, seq.token_ids
         usable = (len(tokens) - 1) // bs  # full blocks that still leave a token to compute
         state = self._hashes[seq.seq_id]

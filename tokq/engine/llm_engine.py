@@ -1,12 +1,15 @@
 """`LLMEngine`: requests in, tokens (or scores) out, through the scheduler, the paged cache and the model.
 
-Over 400 lines: one class whose request, step, scoring and metrics methods share its scheduler, cache and runner.
+Over 400 lines: one class whose request, step, abort, scoring and metrics methods share its scheduler, cache
+and runner (the logprob arithmetic lives in tokq.engine.logprobs).
 
     engine = LLMEngine(model, EngineConfig(kv_memory=512 << 20), tokenizer)
     outputs = engine.generate(["Once upon a time"], SamplingParams(max_tokens=32))
     scores = engine.score([window_token_ids], topk=20)
 
-`add_request` / `step` are the streaming interface: each step returns the tokens it produced. A
+`add_request` / `step` are the streaming interface: each step returns the tokens it produced (with their
+log-probabilities, and the prompt's once its prefill completes, when the request asked: see
+`tokq.engine.logprobs`), and `abort` drops a request between steps, freeing its blocks at once. A
 request that cannot be served (prompt longer than the context, sampling parameters out of range, a
 stop string without a tokenizer, more tokens than the whole cache holds) is refused in add_request
 with a clear error, and the requests already running carry on. `check_request` (and `check_window` for
@@ -40,11 +43,13 @@ from tokq.engine.kv_cache import (
     format_bytes,
     kv_dtype_named,
 )
+from tokq.engine.logprobs import keep_scores, prompt_logprobs, sampled_logprobs
 from tokq.engine.metrics import RequestMetrics, RunMetrics, peak_memory_bytes
 from tokq.engine.models import CausalLM
 from tokq.engine.requests import (  # EngineError and RequestOutput are re-exported: they are the engine's API
     EngineError,
     RequestOutput,
+    TokenLogprob,
     check_blocks,
     finish,
     pair_params,
@@ -61,8 +66,6 @@ from tokq.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from tokq.engine.sequence import ScoreRequest, Sequence, Status
 from tokq.engine.tokenizer import check_token_ids
 from tokq.errors import ModelError
-
-SCORE_LOGITS_CHUNK = 256  # rows of full-vocabulary logits at a time (256 x 262K x 4 B = 268 MB at most)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token when params.logprobs is not None
+    # params.prompt_logprobs: set once, in the step whose prefill completed the prompt (entry 0: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -195,6 +201,10 @@ class LLMEngine:
         params, tokens = self.check_request(prompt, params, truncate=truncate, score=score is not None)
         seq = Sequence(self._next_id, tokens, params, score=score,
                        generator=make_generator(params.seed, self.model.device))
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None and score is None:
+            seq.prompt_scores = ScoreRequest(topk=params.prompt_logprobs, keep_ranks=True)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self._next_id += 1
@@ -249,29 +259,39 @@ class LLMEngine:
             if seq.padding:  # a finished static-batch member recomputed as padding: nothing to keep
                 seq.num_computed = len(seq.token_ids)
                 continue
-            if seq.score is not None:
-                self._keep_scores(seq, hidden[query_start[i]: query_start[i + 1]], seq.num_computed, n)
+            scores, end = ((seq.score, len(seq.token_ids) - 1) if seq.score is not None
+                           else (seq.prompt_scores, seq.num_prompt_tokens - 1))
+            if scores is not None:
+                keep_scores(scores, seq.token_ids, hidden[query_start[i]: query_start[i + 1]], seq.num_computed,
+                            end, self.runner.logits)
             seq.num_computed += n
             self.blocks.computed(seq)
             if self.window is not None:
                 self.blocks.drop_outside_window(seq, self.window)
             if seq.score is None and seq.num_computed == len(seq.token_ids):
-                if seq.params.max_tokens == 0:  # prompt only (e.g. to warm the prefix cache)
+                if seq.params.max_tokens == 0:  # prompt only (e.g. to warm the prefix cache, or its logprobs)
                     self._finish(seq, "length", time.perf_counter())
-                    outputs.append(StepOutput(seq.seq_id, [], True, "length"))
+                    outputs.append(StepOutput(seq.seq_id, [], True, "length",
+                                              prompt_logprobs=self._prompt_done(seq)))
                     continue
                 sample_rows.append(query_start[i + 1] - 1)
                 samplers.append(seq)
         if samplers:
             logits = self.runner.logits(hidden[sample_rows])
             tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers]).tolist()
+            # logprobs of the raw logits (not what sampling made of them); nothing is computed unless asked
+            token_lps = sampled_logprobs(logits, tokens, [s.params.logprobs for s in samplers])
             now = time.perf_counter()
-            for seq, token in zip(samplers, tokens, strict=True):
+            for seq, token, lp in zip(samplers, tokens, token_lps, strict=True):
+                prompt_lps = self._prompt_done(seq) if seq.num_output_tokens == 0 else None
                 record_token(seq, token, now)
+                if lp is not None:
+                    seq.logprobs.append(lp)
                 reason = stop_reason(seq, self.tokenizer, self.eos_ids)
                 if reason:
                     self._finish(seq, reason, now)
-                outputs.append(StepOutput(seq.seq_id, [token], seq.is_finished, seq.finish_reason))
+                outputs.append(StepOutput(seq.seq_id, [token], seq.is_finished, seq.finish_reason,
+                                          None if lp is None else [lp], prompt_lps))
         for seq in step.seqs:
             if seq.score is not None and seq.num_computed >= len(seq.token_ids) and seq.finish_reason is None:
                 self._finish(seq, "scored", time.perf_counter())
@@ -283,26 +303,26 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._run.finished.append(seq)
 
-    def _keep_scores(self, seq: Sequence, hidden: torch.Tensor, start: int, n: int) -> None:
-        """Log-probabilities of the next tokens at positions start..start+n-1 (those that have one)."""
-        score = seq.score
-        targets = torch.tensor(seq.token_ids[start + 1: start + n + 1], dtype=torch.int64, device=hidden.device)
-        rows = targets.numel()  # the window's last position has no next token
-        for lo in range(0, rows, SCORE_LOGITS_CHUNK):
-            hi = min(rows, lo + SCORE_LOGITS_CHUNK)
-            logprobs = torch.log_softmax(self.runner.logits(hidden[lo:hi]), dim=-1)
-            score.logprobs.append(logprobs.gather(1, targets[lo:hi, None])[:, 0].cpu())
-            if score.topk:
-                values, ids = logprobs.topk(score.topk, dim=-1)
-                score.topk_logprobs.append(values.cpu())
-                score.topk_ids.append(ids.cpu())
-            if score.gather_ids is not None:
-                wanted = score.gather_ids[start + lo: start + hi].to(logprobs.device)
-                score.gathered.append(logprobs.gather(1, wanted).cpu())
-            if score.full_rows is not None:
-                keep = score.full_rows[start + lo: start + hi].to(logprobs.device)
-                if bool(keep.any()):  # only the selected rows leave the chunk: memory stays rows x vocab
-                    score.full_logprobs.append(logprobs[keep].cpu())
+    @staticmethod
+    def _prompt_done(seq: Sequence) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs once its prefill completed (None when not asked); from here on the request
+        may use the prefix cache again (after a preemption) since no prompt position is left to score."""
+        if seq.prompt_scores is None:
+            return None
+        seq.prompt_logprobs = prompt_logprobs(seq.prompt_scores, seq.token_ids[: seq.num_prompt_tokens])
+        seq.prompt_scores = None
+        return seq.prompt_logprobs
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a waiting or running request (between steps): its blocks go back to the pool now and it
+        finishes with reason "abort". False when the id is unknown or the request already finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.abort(seq)
+        finish(seq, "abort", time.perf_counter())
+        self._run.finished.append(seq)
+        return True
 
     # Batch APIs -----------------------------------------------------------------------------------
 

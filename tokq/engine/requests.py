@@ -13,7 +13,8 @@ stops on the same token and comes back as the same `RequestOutput` whichever one
 - `record_token`, `stop_reason`, `finish`: a generated token with its time; the stop rules (stop token
   ids and strings, eos unless ignore_eos, none before min_tokens, max_tokens); the finished text cut at
   its stop string.
-- `request_output`: a sequence's `RequestOutput`.
+- `request_output`: a sequence's `RequestOutput` (with its logprobs and prompt_logprobs when asked).
+- `TokenLogprob` (defined with the sequence that holds them) is re-exported here: it is the API's.
 
 `who` in the messages names the engine the user should give a tokenizer to ("the engine", or "the
 target engine" for speculative decoding).
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from tokq.engine.metrics import RequestMetrics
-from tokq.engine.sampling import SamplingParams, check_stop, truncate_at_stop_string
-from tokq.engine.sequence import Sequence
+from tokq.engine.sampling import SamplingError, SamplingParams, check_stop, truncate_at_stop_string
+from tokq.engine.sequence import Sequence, TokenLogprob
 from tokq.engine.tokenizer import check_token_ids
 from tokq.errors import ModelError, TokqError
 
@@ -47,6 +48,8 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     prompt: str | None = None  # the prompt's text when it was given as text (`tokq.LLM` fills it in)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is not None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (entry 0: None)
 
 
 # Accepting a request ------------------------------------------------------------------------------
@@ -79,6 +82,11 @@ def validate_request(prompt: str | Seq[int] | torch.Tensor, params: SamplingPara
     is wrong. Context and cache limits are the caller's (`prompt_too_long`, `check_blocks`)."""
     params = params or SamplingParams()
     params.validate()
+    vocab = model.config.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > vocab:
+            raise SamplingError(f"{name}={k}: must be at most the model's vocabulary size {vocab}")
     if params.stop and tokenizer is None:
         raise EngineError(f"stop strings {list(params.stop)} need a tokenizer to read the output: give {who} "
                           "the model's tokenizer or use stop_token_ids")
@@ -151,4 +159,5 @@ def request_output(seq: Sequence, tokenizer) -> RequestOutput:
     if not text and tokenizer is not None:
         text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
     return RequestOutput(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, text,
-                         seq.finish_reason, RequestMetrics.of(seq))
+                         seq.finish_reason, RequestMetrics.of(seq), logprobs=seq.logprobs,
+                         prompt_logprobs=seq.prompt_logprobs)

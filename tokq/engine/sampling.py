@@ -47,6 +47,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (need a tokenizer; the engine checks that)
     ignore_eos: bool = False
     min_tokens: int = 0  # stop conditions are ignored before this many generated tokens
+    # Log-probabilities of the model's raw distribution (log_softmax of the fp32 logits, before temperature,
+    # top-k and top-p). None: none; k >= 0: each generated token's / each prompt token's (after the first)
+    # log-probability and rank, plus the top-k alternatives. The engine caps k at the vocabulary size.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Callers (JSON requests, CLI flags) hand over lists or a single value; tuples keep the
@@ -80,6 +85,10 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "must be integers >= 0")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or k < 0):
+                raise bad(name, k, "must be None or an integer >= 0 (how many top alternatives to return)")
 
     @property
     def greedy(self) -> bool:

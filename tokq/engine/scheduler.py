@@ -5,7 +5,7 @@ its next piece (one token for a decoding sequence, the next chunk of a prompt st
 then admits waiting sequences while seats (`max_num_seqs`) and the step's token budget
 (`max_num_batched_tokens`) last. A long prompt is split into chunks that fit what is left of the
 budget (chunked prefill), so decoding sequences keep producing tokens while it is read. A finished
-sequence frees its blocks at once and its seat is filled at the next step.
+sequence frees its blocks at once and its seat is filled at the next step; so does an aborted one.
 
 When the pool has no block for a running sequence's next piece, the most recently admitted running
 sequence is preempted by recompute: its blocks are freed and it goes back to the front of the queue,
@@ -165,6 +165,18 @@ class Scheduler:
         seq.padding = True  # keeps its seat until the batch is done
         if all(s.padding for s in self.running):
             for member in list(self.running):
+                self._drop(member)
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove a waiting or running sequence now, giving its blocks back (a waiting one holds none:
+        admission returns what it took when the sequence cannot start, and preemption frees them)."""
+        seq.status = Status.FINISHED
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return
+        self._drop(seq)
+        if self.config.static and self.running and all(s.padding for s in self.running):
+            for member in list(self.running):  # the rest of its static batch had finished: the batch is done
                 self._drop(member)
 
     def _drop(self, seq: Sequence) -> None:

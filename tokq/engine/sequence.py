@@ -20,6 +20,17 @@ import torch
 from tokq.engine.sampling import SamplingParams
 
 
+@dataclass
+class TokenLogprob:
+    """One token's log-probability in the model's raw distribution (log_softmax of the fp32 logits), its
+    1-based rank there (1 = the argmax) and the top-k (token_id, logprob) pairs, descending (empty for k = 0)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -30,17 +41,21 @@ class Status(enum.Enum):
 class ScoreRequest:
     """Score the prompt instead of generating: the log-probability of every actual next token and the
     top-k log-probabilities at every position. `decode_from`: positions from here on are run one token
-    per step through the decode path (None: chunked prefill only)."""
+    per step through the decode path (None: chunked prefill only). A generating request's prompt_logprobs
+    are one too (`Sequence.prompt_scores`, with ranks)."""
 
     topk: int = 0
     decode_from: int | None = None
     gather_ids: torch.Tensor | None = None  # int64 [L - 1, k]: also keep the log-probabilities of these ids
     full_rows: torch.Tensor | None = None  # bool [L - 1]: keep the whole vocabulary's log-probabilities there
+    keep_ranks: bool = False  # also keep each actual next token's rank
+    num_kept: int = 0  # leading positions kept (a preempted sequence's rerun does not keep them twice)
     logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n] per chunk
     topk_ids: list[torch.Tensor] = field(default_factory=list)  # int64 [n, topk]
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [n, topk]
     gathered: list[torch.Tensor] = field(default_factory=list)  # fp32 [n, k] at gather_ids
     full_logprobs: list[torch.Tensor] = field(default_factory=list)  # fp32 [rows of full_rows in n, vocab]
+    ranks: list[torch.Tensor] = field(default_factory=list)  # int64 [n], with keep_ranks
 
 
 @dataclass
@@ -64,6 +79,10 @@ class Sequence:
     finish_time: float | None = None
     text: str = ""  # decoded output (when the engine has a tokenizer)
     padding: bool = False  # finished inside a static batch: keeps its seat, recomputing its last token
+    # params.prompt_logprobs: the prompt's scores while its prefill runs, then (once complete) the entries
+    prompt_scores: ScoreRequest | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    logprobs: list[TokenLogprob] | None = None  # params.logprobs: one per generated token
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -88,6 +107,11 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens whose K/V still have to be computed before the next sample."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Scoring, or prompt logprobs still to keep: no position may be skipped as a prefix-cache hit."""
+        return self.score is not None or self.prompt_scores is not None
 
     @property
     def in_prefill(self) -> bool:

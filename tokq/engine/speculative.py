@@ -234,6 +234,9 @@ class SpeculativeDecoder:
         """Validate one request (the engine's rules, against both models) and build its two sequences."""
         target = self.target
         params, tokens = validate_request(prompt, params, target.model, target.tokenizer, who="the target engine")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise EngineError("speculative decoding does not return logprobs: drop logprobs/prompt_logprobs from "
+                              "the sampling params, or run the request on the engine without a draft model")
         total = len(tokens) + params.max_tokens
         if total > self.max_model_len:
             raise prompt_too_long(len(tokens), params.max_tokens,
