@@ -1,0 +1,52 @@
+"""`tokq serve MODEL`: an OpenAI-compatible server (vLLM's API) for one model on tokq's engine.
+
+The work is `tokq.serve` (launch.load_engine, app.build_app, launch.run_server); this module parses the options.
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def serve_cmd(
+    model: str = typer.Argument(..., help="Checkpoint directory, zoo name or tokq.toml variant."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    served_model_name: str = typer.Option(None, "--served-model-name",
+                                          help="The model name clients send (default: MODEL as given)."),
+    max_num_seqs: int = typer.Option(16, "--max-num-seqs", help="Requests the engine runs at once (its batch)."),
+    max_queue: int = typer.Option(None, "--max-queue", help="Requests held (running + waiting) before new ones get "
+                                                            "503 + Retry-After (default: 4 x --max-num-seqs)."),
+    max_logprobs: int = typer.Option(20, "--max-logprobs", help="Most logprobs / top_logprobs / prompt_logprobs a "
+                                                               "request may ask for (more: 400)."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length (default: the model's)."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Token budget of one step."),
+    kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget, e.g. 2GiB (default: 80% of the "
+                                                            "device's free memory, capped at what --max-num-seqs "
+                                                            "full-length requests need)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype: auto (the compute dtype), fp16, bf16, fp32, fp8."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the global RNG (requests without a seed)."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
+) -> None:
+    """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics) until SIGINT / SIGTERM (graceful: requests in flight finish first)."""
+    from tokq.errors import ConfigError
+    from tokq.runtime import setup_runtime
+    from tokq.serve.app import build_app
+    from tokq.serve.launch import load_engine, run_server
+
+    for name, value in (("--max-queue", max_queue), ("--max-num-seqs", max_num_seqs), ("--port", port)):
+        if value is not None and value < (0 if name == "--port" else 1):
+            raise ConfigError(f"{name} {value}: must be >= {0 if name == '--port' else 1}")
+    if max_logprobs < 0:
+        raise ConfigError(f"--max-logprobs {max_logprobs}: must be >= 0")
+    setup_runtime(threads, device, seed)
+    loaded = load_engine(model, dtype=dtype, device=device, kv_memory=kv_memory,
+                         kv_dtype=None if kv_dtype == "auto" else kv_dtype, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    app = build_app(loaded.engine, loaded.tokenizer, served_model_name or model, max_logprobs=max_logprobs,
+                    max_queue=max_queue, root=loaded.checkpoint)
+    run_server(app, host, port, log_level)
