@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokq.config_checker import Checker, table_error
+from tokq.config_checker import Checker, check_url_variant, table_error
 from tokq.errors import ConfigError
 from tokq.evalsuite.rule_defs import POSITION_BUCKETS, QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
 from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
@@ -110,11 +110,29 @@ def find_variant(name: str) -> Path | None:
     if name not in variants:
         return None
     entry = variants[name]
+    if isinstance(entry, dict) and "url" in entry:
+        return None  # a served model, not a checkpoint (find_url_variant)
     target = entry.get("path") if isinstance(entry, dict) else entry
     if not isinstance(target, str):
         raise ConfigError(f"{path}: variant {name!r} needs a checkpoint path (a string or {{ path = \"...\" }})")
     resolved = Path(target).expanduser()
     return resolved if resolved.is_absolute() else path.parent / resolved
+
+
+def find_url_variant(name: str) -> str | None:
+    """The compare side (`url=...#model=...`, tokq.remote.endpoint_scoring) of a url variant in tokq.toml, or None."""
+    path = find_config()
+    if path is None:
+        return None
+    entry = variants_table(path).get(name)
+    if not isinstance(entry, dict) or "url" not in entry:
+        return None
+    return url_side(entry["url"], entry.get("model"))
+
+
+def url_side(url: str, model: str | None) -> str:
+    """`url=URL#model=NAME`: how a url variant is named as a compare side."""
+    return f"url={url}" + (f"#model={model}" if model else "")
 
 
 @dataclass(frozen=True)
@@ -145,6 +163,13 @@ class Variant:
     name: str
     path: Path | None = None
     recipe: dict[str, Any] | None = None  # `tokq quantize` options (method, scheme, group_size, ...)
+    url: str | None = None  # a served model (OpenAI-compatible endpoint): compared over HTTP, never built
+    model: str | None = None  # its served model name (default: the endpoint's first)
+
+    @property
+    def side(self) -> str | None:
+        """The compare side of a url variant (None: a checkpoint)."""
+        return url_side(self.url, self.model) if self.url else None
 
 
 @dataclass
@@ -268,10 +293,14 @@ def _variant(check: Checker, path: Path, name: str, entry: Any) -> Variant:
         entry = {"path": entry}
     if not isinstance(entry, dict):
         raise check.fail("variants", name, "must be a path string or a table { path = ..., recipe = {...} }")
+    if "url" in entry:
+        url, model = check_url_variant(check, name, entry)
+        return Variant(name, url=url, model=model)
     for key in entry:
         if key not in ("path", "recipe"):
             raise check.fail("variants", name, f"has an unknown key {key!r}: a variant takes path and recipe "
-                                               f"(`tokq quantize` options go inside recipe = {{ ... }})")
+                                               f"(`tokq quantize` options go inside recipe = {{ ... }}), or url "
+                                               "and model (a served model)")
     if "path" not in entry and "recipe" not in entry:
         raise check.fail("variants", name, "needs a path (a checkpoint) or a recipe (how to build it)")
     target = None

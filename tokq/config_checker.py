@@ -72,3 +72,21 @@ def table_error(path: Path, table: str, key: str | None, message: str) -> Config
     """A ConfigError naming path:line of [table] key (table "": a top-level key), for the code that reads one
     table of tokq.toml itself instead of loading the whole project."""
     return Checker(Path(path), Path(path).read_text(encoding="utf-8")).fail(table, key, message)
+
+
+def check_url_variant(check: Checker, name: str, entry: dict) -> tuple[str, str | None]:
+    """A [variants] NAME = { url = "http://...", model = "served-name" }: a served model, compared over HTTP
+    (prompt log-probabilities) and never quantized or rebuilt, so path and recipe make no sense beside it."""
+    for key in entry:
+        if key not in ("url", "model"):
+            raise check.fail("variants", name, f"has url and {key!r}: a url variant (a served model) takes only url "
+                                               "and model; it cannot be quantized or rebuilt, so give path/recipe "
+                                               "to another variant")
+    url = check.string("variants", name, entry["url"])
+    if not url.startswith(("http://", "https://")) or "#" in url:
+        raise check.fail("variants", name, f"url = {url!r} must be an http(s) address without '#', e.g. "
+                                           "\"http://127.0.0.1:8000/v1\"")
+    model = entry.get("model")
+    if model is not None:
+        model = check.string("variants", name, model)
+    return url.rstrip("/"), model

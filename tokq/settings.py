@@ -64,6 +64,7 @@ class CompareSettings:
     max_doc_mb: float = DEFAULT_MAX_DOC_MB
     max_file_mb: float = DEFAULT_MAX_FILE_MB
     seed: int = 0
+    max_concurrency: int = 8  # requests in flight to a URL side (tokq.remote.endpoint_scoring)
 
 
 @dataclass

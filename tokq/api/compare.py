@@ -156,6 +156,13 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     if s.threshold_on not in ("bound", "point"):
         raise ConfigError(f"--threshold-on {s.threshold_on!r}: use bound (the CI's unfavourable bound) or point")
     limits = read_limits(s.max_doc_mb, s.max_file_mb)
+    from tokq.config import find_url_variant
+
+    a, b = find_url_variant(a) or a, find_url_variant(b) or b  # a tokq.toml url variant is its url=... side
+    if a.startswith("url=") or b.startswith("url="):
+        from tokq.api.remote_compare import run_remote_settings
+
+        return CompareResult(run_remote_settings(a, b, data, s, runtime, limits, console))
     ckpt_b = resolve_variant(b, a)
     ckpt_a = resolve_variant(a, b)
     config_a, config_b = read_config(ckpt_a), read_config(ckpt_b)

@@ -55,9 +55,12 @@ def thresholds_from_config() -> dict[str, dict[str | None, float]]:
 
 
 def compare_cmd(
-    a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, or fp16 "
-                                      "(the base B was quantized from)."),
-    b: str = typer.Argument(..., help="Candidate: a tokq.toml variant, zoo name or checkpoint directory."),
+    a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, fp16 (the "
+                                      "base B was quantized from), or a served model: url=http://HOST:PORT[/v1]"
+                                      "[#model=NAME&tokenizer=DIR&topk=K] (an OpenAI-compatible server with prompt "
+                                      "logprobs; the KL is then a lower bound, see --help's epilog)."),
+    b: str = typer.Argument(..., help="Candidate: a tokq.toml variant (a url variant too), zoo name, checkpoint "
+                                      "directory, or url=http://HOST:PORT[/v1][#model=NAME&tokenizer=DIR&topk=K]."),
     data: str = typer.Option(None, "--data", help="Folder of documents, or a tokq.toml [data.NAME] set name (its "
                                                   "keys apply where an option is left at its default; default: the "
                                                   "default long-document set)."),
@@ -106,8 +109,17 @@ def compare_cmd(
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap, the probes and the decode sample."),
+    max_concurrency: int = typer.Option(8, "--max-concurrency", help="Requests in flight to a url= side (a fleet "
+                                        "behind the URL sets the throughput)."),
 ) -> None:
-    """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression."""
+    """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression.
+
+    A side may be a served model, url=http://HOST:PORT[/v1] with optional #model=NAME (the served name; default the
+    server's first), &tokenizer=DIR (the served model's tokenizer, needed when both sides are URLs) and &topk=K
+    (default 20, capped by the server's --max-logprobs). Each window is sent as token ids with prompt_logprobs=K
+    (vLLM, tokq serve) or logprobs=K with echo (llama.cpp), and the echoed tokens are checked against the window.
+    A URL side reports only its own top-K: ΔNLL, Δp and top-1 stay exact, `kl` is a rigorous lower bound (a max-kl
+    rule can fail on it, never pass: inconclusive at best) and `kl_estimate` a point estimate."""
     from dataclasses import fields
 
     from tokq.api.compare import resolve_data, run_compare_settings
@@ -132,7 +144,8 @@ def compare_cmd(
                  probes=probes, probe_max_context=probe_max_context, probe_depths=probe_depths,
                  probe_repeats=probe_repeats, thresholds=thresholds, threshold_on=threshold_on,
                  resamples=resamples, use_cache=not no_cache, dtype=dtype, kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype,
-                 kv_memory=kv_memory, strict=strict, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb, seed=seed)
+                 kv_memory=kv_memory, strict=strict, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb, seed=seed,
+                 max_concurrency=max_concurrency)
     folder, set_keys = resolve_data(data)
     defaults = {f.name: f.default for f in fields(CompareSettings)}
     # a [data.NAME] set's keys apply where the command line left the default

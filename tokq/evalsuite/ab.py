@@ -71,10 +71,15 @@ class TokenMetrics:
     position: torch.Tensor  # int64: index of the predicted token in its window
     doc_index: torch.Tensor  # int64
     non_finite: torch.Tensor  # bool: B's log-probabilities of the token hold NaN or inf (a broken model)
+    # a URL side (evalsuite.remote_compare): the KL's point estimate beside `kl`, its rigorous lower bound there
+    kl_estimate: torch.Tensor | None = None
 
     def as_dict(self) -> dict[str, torch.Tensor]:
-        return {"kl": self.kl, "kl_topk": self.kl_topk, "top1": self.top1, "delta_nll": self.delta_nll,
-                "delta_p": self.delta_p, "accept": self.accept}
+        out = {"kl": self.kl, "kl_topk": self.kl_topk, "top1": self.top1, "delta_nll": self.delta_nll,
+               "delta_p": self.delta_p, "accept": self.accept}
+        if self.kl_estimate is not None:
+            out["kl_estimate"] = self.kl_estimate
+        return out
 
     @property
     def tokens(self) -> int:
