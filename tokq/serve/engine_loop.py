@@ -80,7 +80,6 @@ class _Live:
     index: int
     arrival: float
     num_prompt: int
-    score: object | None = None  # a ScoreRequest for prompt logprobs on an engine without them
     token_times: list[float] = field(default_factory=list)
 
 
@@ -170,9 +169,9 @@ class EngineLoop:
         added: list[int] = []
         try:
             for index, job in enumerate(group.jobs):
-                seq_id, score = self._add_job(job)
+                seq_id = self.engine.add_request(job.prompt_ids, job.params)
                 added.append(seq_id)
-                self._live[seq_id] = _Live(group, index, time.perf_counter(), len(job.prompt_ids), score)
+                self._live[seq_id] = _Live(group, index, time.perf_counter(), len(job.prompt_ids))
         except Exception as exc:  # refused (EngineError, SamplingError) or a bug: this group only
             if not _is_request_error(exc):
                 log.exception("adding a request failed")
@@ -185,17 +184,6 @@ class EngineLoop:
         group.push(Accepted())
         self._update_gauges()
 
-    def _add_job(self, job: Job):
-        from tokq.engine.sampling import SamplingParams
-
-        if job.prompt_logprobs is not None and "logprobs" not in SamplingParams.__dataclass_fields__:
-            # An engine from before logprobs in SamplingParams: score the prompt instead (max_tokens 0 only)
-            from tokq.engine.sequence import ScoreRequest
-
-            score = ScoreRequest(topk=job.prompt_logprobs)
-            return self.engine.add_request(job.prompt_ids, job.params, score=score), score
-        return self.engine.add_request(job.prompt_ids, job.params), None
-
     def _abort(self, group: Group) -> None:
         for seq_id in [s for s, live in self._live.items() if live.group is group]:
             self._finish_metrics(self._drop(seq_id, abort=True), "abort")
@@ -205,7 +193,7 @@ class EngineLoop:
     def _drop(self, seq_id: int, abort: bool) -> _Live | None:
         """Forget a request here (and in the engine); with `abort`, first remove it from the engine."""
         live = self._live.pop(seq_id, None)
-        if abort and hasattr(self.engine, "abort"):
+        if abort:
             try:
                 self.engine.abort(seq_id)
             except Exception:  # an abort that fails must not take the loop down
@@ -225,28 +213,19 @@ class EngineLoop:
         now = time.perf_counter()
         for out in outputs:
             live = self._live.get(out.seq_id)
-            if live is None:  # an aborted request's last output (an engine without abort runs it out)
-                if out.finished:
-                    self.engine.forget([out.seq_id])
+            if live is None:  # not one of ours (cannot happen: the loop owns the engine)
                 continue
             if out.new_token_ids:
                 live.token_times.extend([now] * len(out.new_token_ids))
-            prompt_lp = getattr(out, "prompt_logprobs", None)
-            if live.score is not None and out.finished:
-                prompt_lp = _score_to_prompt_logprobs(live.score, self._prompt_ids(live))
-            reason = "length" if out.finish_reason == "scored" else out.finish_reason
-            live.group.push(Output(live.index, list(out.new_token_ids), out.finished, reason,
-                                   getattr(out, "logprobs", None), prompt_lp))
+            reason = out.finish_reason
+            live.group.push(Output(live.index, list(out.new_token_ids), out.finished, reason, out.logprobs,
+                                   out.prompt_logprobs))
             if out.finished:
                 self._drop(out.seq_id, abort=False)
                 self._finish_metrics(live, reason or "stop")
                 if not any(v.group is live.group for v in self._live.values()):
                     live.group.done = True
         self._update_gauges()
-
-    @staticmethod
-    def _prompt_ids(live: _Live) -> list[int]:
-        return live.group.jobs[live.index].prompt_ids
 
     def _fail_all(self, exc: Exception) -> None:
         groups = {id(live.group): live.group for live in self._live.values()}
@@ -289,22 +268,3 @@ def _is_request_error(exc: Exception) -> bool:
 
     return isinstance(exc, (TokqError, ValueError))
 
-
-def _score_to_prompt_logprobs(score, prompt_ids: list[int]) -> list:
-    """prompt_logprobs in the engine contract's shape from a ScoreRequest (engines without prompt_logprobs):
-    entry 0 None, entry i the logprob of prompt token i given the ones before, with the top-k."""
-    import torch
-
-    from tokq.serve.openai_format import TokenLP
-
-    logprobs = torch.cat(score.logprobs).tolist()
-    k = score.topk
-    top_ids = torch.cat(score.topk_ids).tolist() if k else [[] for _ in logprobs]
-    top_lps = torch.cat(score.topk_logprobs).tolist() if k else [[] for _ in logprobs]
-    out: list = [None]
-    for i, lp in enumerate(logprobs):
-        token = prompt_ids[i + 1]
-        top = list(zip(top_ids[i], top_lps[i], strict=True))
-        rank = next((r + 1 for r, (t, _) in enumerate(top) if t == token), 1 + sum(v > lp for _, v in top))
-        out.append(TokenLP(token, lp, rank, top))
-    return out

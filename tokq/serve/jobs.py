@@ -47,20 +47,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     if req.n != 1:
         raise bad_request(f"n={req.n}: tokq serve returns one choice per prompt (n=1)", "n")
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-    extra = {}
-    if logprobs is not None or prompt_logprobs is not None:
-        if "logprobs" not in SamplingParams.__dataclass_fields__:  # an engine from before logprobs
-            if logprobs is not None or max_tokens > 0:
-                raise bad_request("logprobs need an engine with logprobs support (this build has only prompt "
-                                  "logprobs with max_tokens=0)", "logprobs")
-        else:
-            extra = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
     params = SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_k=top_k, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
         stop=tuple(req.stop) if isinstance(req.stop, list) else (req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-        **extra)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     try:
         params.validate()
     except SamplingError as exc:

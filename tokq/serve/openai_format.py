@@ -16,21 +16,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from tokq.engine.sampling import truncate_at_stop_string
 
 MIN_LOGPROB = -9999.0
-
-
-@dataclass
-class TokenLP:
-    """The engine contract's TokenLogprob shape (for outputs made here, e.g. from a ScoreRequest)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def new_id(prefix: str) -> str:
