@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokq.config_checker import Checker, check_url_variant, table_error
+from tokq.config_checker import Checker, check_url_variant, table_error, url_side
 from tokq.errors import ConfigError
 from tokq.evalsuite.rule_defs import POSITION_BUCKETS, QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
 from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
@@ -122,17 +122,8 @@ def find_variant(name: str) -> Path | None:
 def find_url_variant(name: str) -> str | None:
     """The compare side (`url=...#model=...`, tokq.remote.endpoint_scoring) of a url variant in tokq.toml, or None."""
     path = find_config()
-    if path is None:
-        return None
-    entry = variants_table(path).get(name)
-    if not isinstance(entry, dict) or "url" not in entry:
-        return None
-    return url_side(entry["url"], entry.get("model"))
-
-
-def url_side(url: str, model: str | None) -> str:
-    """`url=URL#model=NAME`: how a url variant is named as a compare side."""
-    return f"url={url}" + (f"#model={model}" if model else "")
+    entry = variants_table(path).get(name) if path is not None else None
+    return url_side(entry["url"], entry.get("model")) if isinstance(entry, dict) and "url" in entry else None
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,8 @@ def check_url_variant(check: Checker, name: str, entry: dict) -> tuple[str, str 
     if model is not None:
         model = check.string("variants", name, model)
     return url.rstrip("/"), model
+
+
+def url_side(url: str, model: str | None) -> str:
+    """`url=URL#model=NAME`: how a url variant is named as a compare side (tokq.remote.endpoint_scoring)."""
+    return f"url={url}" + (f"#model={model}" if model else "")

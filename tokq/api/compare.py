@@ -162,7 +162,7 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     if a.startswith("url=") or b.startswith("url="):
         from tokq.api.remote_compare import run_remote_settings
 
-        return CompareResult(run_remote_settings(a, b, data, s, runtime, limits, console))
+        return CompareResult(run_remote_settings(a, b, data, s, runtime, limits, console, resolve_variant))
     ckpt_b = resolve_variant(b, a)
     ckpt_a = resolve_variant(a, b)
     config_a, config_b = read_config(ckpt_a), read_config(ckpt_b)

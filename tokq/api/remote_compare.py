@@ -10,9 +10,9 @@ from pathlib import Path
 from tokq.errors import ConfigError, DataError
 
 
-def run_remote_settings(a: str, b: str, data: Path | None, s, runtime, limits, console) -> dict:
-    """What run_compare_settings does for a compare with at least one URL side: the result dict."""
-    from tokq.api.compare import resolve_variant
+def run_remote_settings(a: str, b: str, data: Path | None, s, runtime, limits, console, resolve_variant) -> dict:
+    """What run_compare_settings does for a compare with at least one URL side: the result dict
+    (`resolve_variant`: api.compare's, passed in so the two modules do not import each other)."""
     from tokq.dtypes import compute_dtype_name
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config

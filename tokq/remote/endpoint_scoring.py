@@ -68,11 +68,6 @@ def parse_side(text: str) -> EndpointSpec | None:
     return EndpointSpec(url.rstrip("/"), keys.get("model") or None, keys.get("tokenizer") or None, int(topk))
 
 
-def spec_text(url: str, model: str | None = None) -> str:
-    """The side string for a tokq.toml url variant."""
-    return f"url={url}" + (f"#model={model}" if model else "")
-
-
 class EndpointScorer:
     """Scores windows of token ids at one endpoint (see the module docstring)."""
 
