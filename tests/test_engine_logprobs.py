@@ -125,6 +125,19 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(model):
     assert [o.token_ids for o in outputs] == [reference_greedy(model, p, 12) for p in batch]
 
 
+def test_scoring_under_preemption_keeps_each_position_once(model):
+    """The same bookkeeping serves score(): a preempted window rerun from its start is not scored twice
+    (windows read one token per step from decode_from grow together past the 16-block pool)."""
+    windows = prompts([30, 22, 35, 9], seed=31)
+    engine = LLMEngine(model, EngineConfig(kv_memory=16 * block_bytes(model, 4), max_model_len=64, block_size=4,
+                                           max_num_batched_tokens=16))
+    scores = engine.score(windows, topk=2, decode_from=2)
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    for window, score, ref in zip(windows, scores, engine_of(model).score(windows, topk=2), strict=True):
+        assert score.logprobs.shape == (len(window) - 1,)
+        assert (score.logprobs - ref.logprobs).abs().max().item() < 1e-5
+
+
 def test_prompt_only_request_returns_its_prompt_logprobs(model):
     prompt = prompts([12], seed=25)[0]
     engine = engine_of(model)
