@@ -220,7 +220,8 @@ class _Server:
                     choice["token_ids"] = out.new_token_ids
                 if out.finished:
                     choice["finish_reason"] = out.finish_reason
-                if choice["text"] or choice["logprobs"] or out.finished or "prompt_logprobs" in choice:
+                # a chunk per step that made tokens (one may decode to no text yet), as vLLM streams
+                if choice["text"] or out.new_token_ids or out.finished or "prompt_logprobs" in choice:
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                                 "choices": [choice]})
             if req.stream_options and req.stream_options.include_usage:
