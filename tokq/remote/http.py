@@ -50,8 +50,8 @@ def _fix(status: int | None) -> str:
     return {
         None: "start the server or check --base-url",
         400: "fix the request (see the server's message)",
-        401: "set OPENAI_API_KEY (or --api-key) to a key the server accepts",
-        403: "set OPENAI_API_KEY (or --api-key) to a key the server accepts",
+        401: "set OPENAI_API_KEY to a key the server accepts",
+        403: "set OPENAI_API_KEY to a key the server accepts",
         404: "check the path and --model against GET /v1/models",
         429: "lower --max-concurrency or --request-rate",
         503: "lower --max-concurrency or --request-rate, or give the server a longer queue",
