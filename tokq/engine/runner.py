@@ -73,30 +73,37 @@ class ModelRunner:
         return sorted({k.name for k in self.kernels})
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
+        """The step's flat token row, positions, slot mapping and attention metadata.
+
+        Per sequence only its token slice and block table are read on the host; positions and slots of
+        every token come from tensor ops over the padded block tables (no loop over tokens: a prefill
+        chunk of 2048 tokens used to cost a Python iteration each)."""
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens, query_lens, tables = [], [], []
+        starts, query_lens, tables = [], [], []
         bs = self.spec.block_size
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             start = seq.num_computed
             ids.extend(seq.token_ids[start: start + n])
-            table = seq.block_table
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-            seq_lens.append(start + n)
+            starts.append(start)
             query_lens.append(n)
-            tables.append([max(b, 0) for b in table])  # DROPPED (out of every window) -> 0, never read
-        meta = PagedAttentionMetadata.from_lists(tables, seq_lens, query_lens)
+            tables.append(seq.block_table)
+        seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
+        width = max([len(t) for t in tables] + [1])
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(len(tables), width)
+        lens = torch.tensor(query_lens, dtype=torch.int64)
+        seq_of = torch.repeat_interleave(torch.arange(len(tables)), lens)  # each token's sequence
+        first = torch.cumsum(lens, 0) - lens  # each sequence's first token in the row
+        positions = torch.tensor(starts, dtype=torch.int64)[seq_of] + torch.arange(len(ids)) - first[seq_of]
+        slots = table[seq_of, positions // bs] * bs + positions % bs
+        # A DROPPED block (-1: out of every window) is never read: the metadata names block 0 instead.
+        meta = PagedAttentionMetadata.from_tensors(table.clamp_min(0).to(torch.int32), seq_lens, query_lens)
         meta.validate(len(ids), self.caches_blocks, bs)  # once per step, not once per layer
         meta = PagedAttentionMetadata(meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                                       meta.max_seq_len, trusted=True)
         query_start = meta.query_start_loc.tolist()
         dev = self.device
-        return StepInputs(torch.tensor([ids], dtype=torch.int64, device=dev),
-                          torch.tensor([positions], dtype=torch.int64, device=dev),
-                          torch.tensor(slots, dtype=torch.int64, device=dev), meta.to(dev), query_start)
+        return StepInputs(torch.tensor([ids], dtype=torch.int64, device=dev), positions.view(1, -1).to(dev),
+                          slots.to(dev), meta.to(dev), query_start)
 
     @property
     def caches_blocks(self) -> int:

@@ -7,7 +7,9 @@ the cache it writes is the cache it reads:
 
 - `triton_paged` (CUDA): write_kv_triton + paged_attention_triton (flash-decoding splits for decode,
   a chunked-prefill kernel otherwise);
-- `cpu_paged_sdpa` (CPU): write_kv_cpu + paged_attention_cpu (gather, then SDPA);
+- `cpu_paged_batched` (CPU): write_kv_cpu + paged_attention_cpu_batched (a step's decode queries planned
+  from the metadata tensors, gathered into reused buffers, one SDPA call per group);
+- `cpu_paged_sdpa` (CPU): write_kv_cpu + paged_attention_cpu (gather, then SDPA; kept for comparison);
 - `paged_reference` (anywhere): write_kv_reference + paged_attention_reference (the oracle: fp32,
   explicit masked softmax).
 """
@@ -22,6 +24,7 @@ import torch
 from tokq.dtypes import FLOAT_DTYPES, dtype_name
 
 from .cpu.attention import paged_attention_cpu, write_kv_cpu
+from .cpu.batched import paged_attention_cpu_batched
 from .paged import (
     KV_DTYPES,
     paged_attention_reference,
@@ -109,6 +112,12 @@ def _cpu_supports(p: AttentionProblem) -> tuple[bool, str]:
     return True, "gathers each sequence's visible K/V, then scaled_dot_product_attention (native GQA)"
 
 
+def _cpu_batched_supports(p: AttentionProblem) -> tuple[bool, str]:
+    if p.device != "cpu":
+        return False, f"runs on CPU tensors (the layer is on {p.device})"
+    return True, "one block gather per decode group into reused buffers, then scaled_dot_product_attention (GQA)"
+
+
 def _always(p: AttentionProblem) -> tuple[bool, str]:
     return True, "gathers every sequence's K/V to fp32 and applies an explicit masked softmax (the oracle)"
 
@@ -117,6 +126,8 @@ ATTENTION_KERNELS: list[AttentionCandidate] = [
     AttentionCandidate("triton_paged", _triton_supports, TritonFunction("paged_attention", "write_kv_triton"),
                        TritonFunction("paged_attention", "paged_attention_triton"),
                        "paged attention in Triton: KV write, split-K decode + merge, chunked prefill; int8/fp8 KV"),
+    AttentionCandidate("cpu_paged_batched", _cpu_batched_supports, write_kv_cpu, paged_attention_cpu_batched,
+                       "paged attention on CPU: decode plan from tensors, reused gather buffers, SDPA per group"),
     AttentionCandidate("cpu_paged_sdpa", _cpu_supports, write_kv_cpu, paged_attention_cpu,
                        "paged attention on CPU: index_copy_ KV write, gather + SDPA (batched decode)"),
     AttentionCandidate("paged_reference", _always, write_kv_reference, paged_attention_reference,

@@ -90,6 +90,15 @@ class PagedAttentionMetadata:
         return cls(table.to(device), torch.tensor(list(seq_lens), dtype=torch.int32, device=device), qsl.to(device),
                    max(query_lens, default=0), max(seq_lens, default=0))
 
+    @classmethod
+    def from_tensors(cls, block_tables: torch.Tensor, seq_lens: Sequence[int],
+                     query_lens: Sequence[int]) -> PagedAttentionMetadata:
+        """Build from an already padded int32 block table [B, width] (kept as is) and host lists."""
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(list(query_lens), dtype=torch.int64).cumsum(0).to(torch.int32)
+        return cls(block_tables, torch.tensor(list(seq_lens), dtype=torch.int32), qsl,
+                   max(query_lens, default=0), max(seq_lens, default=0))
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
