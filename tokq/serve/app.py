@@ -117,12 +117,17 @@ class _Server:
         """Wait for every prompt of the group to finish; None when the client went away (aborted)."""
         results = [_Result() for _ in group.jobs]
         get = asyncio.ensure_future(group.events.get())
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_S
         try:
             while not all(r.finished for r in results):
-                done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
-                if not done:
+                # by the clock, not only when idle: a running request sends an event every engine step
+                if loop.time() >= next_check:
                     if await request.is_disconnected():
                         return None
+                    next_check = loop.time() + DISCONNECT_POLL_S
+                done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
+                if not done:
                     continue
                 event = get.result()
                 get = asyncio.ensure_future(group.events.get())
