@@ -199,3 +199,16 @@ def test_percentile_flags_parsed():
         with pytest.raises(ConfigError, match="--metric-percentiles"):
             parse_metric_percentiles(bad)
     assert main(["bench", "--base-url", "http://127.0.0.1:1", "--metric-percentiles", "150"]) == 2
+
+
+def test_in_process_bench_takes_the_vllm_names(checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(checkpoint), "--random-input-len", "12", "--random-output-len", "5",
+                 "--max-concurrency", "2", "--num-prompts", "3", "--request-rate", "500", "--dtype", "fp32",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    w = report["workload"]
+    assert (w["prompt_len"], w["gen_len"], w["num_requests"], w["arrival_rate"]) == (12, 5, 3, 500)
+    assert report["rows"][0]["metrics"]["prompt_tokens"] == 36
+    # --base-url measures the server: a model argument beside it is refused, not silently ignored
+    assert main(["bench", str(checkpoint), "--base-url", "http://127.0.0.1:1"]) == 2
