@@ -4,7 +4,9 @@ For each variant (all of [variants], or the ones named): build it with `tokq.api
 is missing and it has a recipe; compare it with the base on the data set (quality rules from [gate.quality],
 baseline cache reused); then one paired speed experiment on the [bench] workload: base and variant interleaved
 by blocks of steps in one process for [bench] max_seconds (engine.paired_bench), ratios with bootstrap intervals
-(evalsuite.speed_stats), speed rules from [gate.speed] (evalsuite.gate_rules). Reports go to `report_dir`
+(evalsuite.speed_stats), speed rules from [gate.speed] (evalsuite.gate_rules). A url variant is measured over
+HTTP instead, base served in this process, by blocks of the same requests (remote.paired_http_bench); its
+memory rules are not measured (inconclusive). Reports go to `report_dir`
 (report.json, report.md, report.html, junit.xml, written atomically; a previous report tokq wrote there is
 removed when the gate starts, so an interrupted gate leaves none that looks complete; a folder holding anything
 else is refused), and the Markdown is appended to $GITHUB_STEP_SUMMARY when set. Quality numbers are seeded and
@@ -294,12 +296,14 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
         "pass" if t["passed"] else "inconclusive" if t.get("inconclusive") else "fail")} for t in quality["thresholds"]]
     bench = None
     if project.speed and not no_speed and project.variants[name].url:
-        # TODO(issue 16): measure a served variant with tokq.remote.bench_serve against the base; until then
-        # its speed rules are not measured, which is never a pass
-        rules += [{"kind": "speed", "name": rule.name, "metric": rule.name, "bucket": None,
-                   "threshold": rule.threshold, "direction": rule.direction, "value": None, "low": None, "high": None,
-                   "passed": False, "inconclusive": True, "result": "inconclusive", "rule": f"{rule.name}: not measured for a url variant (a served model's speed is not benched "
-                           "by the gate yet): inconclusive, never a pass"} for rule in project.speed]
+        # a served variant: both sides measured over HTTP by the same client (the base served in this process)
+        console.print(f"[bold]gate {escape(name)}[/]: speed on the {escape('[bench]')} workload over HTTP against "
+                      f"{escape(project.variants[name].url)}, paired blocks of requests, "
+                      f"{project.bench.max_seconds:g} s", highlight=False)
+        from tokq.api.gate_bench import http_speed_verdicts, paired_http_bench
+
+        bench = paired_http_bench(project, {"base": base, "variant": checkpoint}, runtime, seed)
+        rules += http_speed_verdicts(project.speed, bench.pop("_analysis"))
     elif project.speed and not no_speed:
         console.print(f"[bold]gate {escape(name)}[/]: speed on the {escape('[bench]')} workload, paired and "
                       f"interleaved, {project.bench.max_seconds:g} s", highlight=False)

@@ -292,11 +292,18 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> np.
 
 def _unit_weights(flat: _Flat, seed: int, resamples: int) -> np.ndarray:
     """[R, units]: how often each block segment is drawn in each resample, within its phase stratum."""
+    return unit_weights(flat.unit_phase, seed, resamples)
+
+
+# The HTTP paired bench (tokq.remote.paired_http_bench) resamples its block pairs with these same three pieces:
+# one bootstrap for both experiments.
+def unit_weights(unit_phase: np.ndarray, seed: int, resamples: int = RESAMPLES) -> np.ndarray:
+    """[R, units]: how often each unit is drawn in each resample, within its stratum (unit_phase: 0 or 1)."""
     rng = np.random.default_rng(seed)
-    units = len(flat.unit_phase)
+    units = len(unit_phase)
     weights = np.zeros((resamples, units), dtype=np.float64)
     for phase in (0, 1):
-        members = np.nonzero(flat.unit_phase == phase)[0]
+        members = np.nonzero(unit_phase == phase)[0]
         if not len(members):
             continue
         draws = rng.integers(0, len(members), size=(resamples, len(members)))
@@ -304,6 +311,17 @@ def _unit_weights(flat: _Flat, seed: int, resamples: int) -> np.ndarray:
         np.add.at(counts, (np.arange(resamples)[:, None], draws), 1.0)
         weights[:, members] = counts
     return weights
+
+
+def ratio_estimate(name: str, metrics: dict, boot: np.ndarray, units: tuple[int, int]) -> RatioEstimate:
+    """variant / base of `name` (metrics[side][name]) with the t interval from the bootstrap ratios `boot`;
+    `units`: (units drawn on, units of the smallest stratum)."""
+    return _ratio(name, metrics, boot, units)
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
+    """Per row of weights [R, M]: the smallest value whose cumulative weight reaches q of the row's total."""
+    return _weighted_quantile(values, weights, q)
 
 
 # Verdicts -------------------------------------------------------------------------------------------

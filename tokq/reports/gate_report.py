@@ -73,16 +73,25 @@ def _speed_markdown(report: dict) -> list[str]:
             m = bench[side]["metrics"]
             cells = [fmt.format(m[key]) if m.get(key) is not None else "-" for _, key, fmt in SPEED_COLUMNS]
             lines.append(f"| {name} | {'base' if side == 'base' else name} | " + " | ".join(cells)
-                         + f" | {bench[side]['memory']['weights_bytes'] / 2**20:.0f} | {bench[side]['stalls']} |")
+                         + f" | {_weights_mib(bench[side])} | {bench[side]['stalls']} |")
     for name, bench in benches.items():
         load = bench.get("machine_load") or {}
-        lines.append(f"\n{name}: {bench['passes']} paired passes in {bench['seconds']:.0f} s "
-                     f"(budget {bench['max_seconds']:g} s, blocks of {bench['block_steps']} steps); load average "
-                     f"{load.get('load_average_start')} → {load.get('load_average_end')}, steal "
-                     f"{load.get('steal_fraction')}.")
+        http = bench.get("over") == "http"
+        how = (f"{bench['passes']} paired blocks of requests over HTTP ({bench['urls']['variant']})" if http
+               else f"{bench['passes']} paired passes")
+        blocks = f", blocks of {bench['block_steps']} steps" if bench.get("block_steps") else ""
+        lines.append(f"\n{name}: {how} in {bench['seconds']:.0f} s (budget {bench['max_seconds']:g} s{blocks}); "
+                     f"{'client ' if http else ''}load average {load.get('load_average_start')} → "
+                     f"{load.get('load_average_end')}, steal {load.get('steal_fraction')}.")
         for warning in bench["analysis"].get("warnings", []):
             lines.append(f"\n{name}: warning: {warning}")
     return lines
+
+
+def _weights_mib(side: dict) -> str:
+    """A side's weight bytes in MiB; "-" for a side measured over HTTP (an endpoint reports no byte counts)."""
+    memory = side.get("memory")
+    return f"{memory['weights_bytes'] / 2**20:.0f}" if memory else "-"
 
 
 def _documents_markdown(report: dict) -> list[str]:
@@ -210,9 +219,10 @@ def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> dict:
             roof = row.get("roofline_fraction")
             rows.append([name, label, *(fmt.format(m[key]) if m.get(key) is not None else "-"
                                         for _, key, fmt in SPEED_COLUMNS),
-                         f"{row['memory']['weights_bytes'] / 2**20:.0f}", row["stalls"],
+                         _weights_mib(row), row["stalls"],
                          "-" if roof is None else f"{roof:.0%}",
-                         ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"])])
+                         ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"]) if row.get("kernels")
+                         else f"over HTTP: {row.get('url')}"])
     speed_rules = {name: [r for r in variants[name]["rules"] if r["kind"] == "speed"] for name in benches}
     return {"rows": rows, "ratios_plot": plots.speed_ratios(speed_rules), "steps_plot": plots.tbt_distribution(steps)}
 
