@@ -4,7 +4,7 @@ step time of the two CPU attention kernels, all in one run.
     python benchmarks/continuous_batching.py [--threads 2] [--repeats 3] [--weights int4|bf16] [--out PATH]
 
 1. Decode step time at batch 1 and 16 (prompt 256, decode-only steps after a warm-up, median per repeat)
-   with attention kernel `cpu_paged_sdpa` (the old one) and `cpu_paged_batched` (the new default),
+   with attention kernel `cpu_paged_sdpa` (the old one) and `cpu_paged_batched` (the new one, selected by name),
    interleaved per repeat; also the milliseconds per step spent inside the attention calls.
 2. Workloads at concurrency 1, 4, 16 (3 x concurrency requests, prompt 256, output 64 +-95%, all at
    once, a 256-token step budget): continuous and static batching, interleaved per repeat. Reports output

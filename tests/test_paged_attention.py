@@ -491,7 +491,7 @@ def attention_problem(device: str = "cpu", **changes) -> AttentionProblem:
 def test_registry_chooses_attention_kernels(monkeypatch):
     monkeypatch.delenv(registry.ENV, raising=False)
     cpu, _ = registry.choose(attention_problem())
-    assert cpu.name == "cpu_paged_batched"
+    assert cpu.name == "cpu_paged_sdpa"
     verdicts = {v.name: v for v in registry.explain(attention_problem())}
     assert not verdicts["triton_paged"].usable and "CUDA" in verdicts["triton_paged"].reason
     assert registry.choose(attention_problem("cuda"))[0].name == "triton_paged"  # triton comes with the dev extra
@@ -503,10 +503,10 @@ def test_registry_chooses_attention_kernels(monkeypatch):
 def test_registry_attention_selection():
     problem = attention_problem()
     assert registry.choose(problem, "paged_reference")[0].name == "paged_reference"
-    assert registry.choose(problem, "-cpu_paged_batched,-cpu_paged_sdpa")[0].name == "paged_reference"
-    assert registry.choose(problem, "cpu_int4")[0].name == "cpu_paged_batched"  # forcing a linear kernel leaves attention
+    assert registry.choose(problem, "-cpu_paged_sdpa,-cpu_paged_batched")[0].name == "paged_reference"
+    assert registry.choose(problem, "cpu_int4")[0].name == "cpu_paged_sdpa"  # forcing a linear kernel leaves attention
     with pytest.raises(registry.KernelError, match="triton_paged: Triton kernels run on CUDA.*kernels that can: "
-                                                   "cpu_paged_batched, cpu_paged_sdpa, paged_reference"):
+                                                   "cpu_paged_sdpa, cpu_paged_batched, paged_reference"):
         registry.choose(problem, "triton_paged")
     with pytest.raises(registry.KernelError, match="not a multiple of 4 KV heads"):
         registry.choose(attention_problem(num_heads=6, num_kv_heads=4))
@@ -515,7 +515,7 @@ def test_registry_attention_selection():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=NAME.get)
-@pytest.mark.parametrize("forced", ["cpu_paged_batched", "cpu_paged_sdpa", "paged_reference"])
+@pytest.mark.parametrize("forced", ["cpu_paged_sdpa", "cpu_paged_batched", "paged_reference"])
 def test_prepared_attention_writes_and_reads_one_cache(forced, kv_dtype):
     """The chosen kernel's KV write and attention call, end to end against the reference on fresh inputs."""
     layout = random_paged_layout([37, 5, 64], [37, 1, 3], 16, num_kv_heads=2, head_dim=32, kv_dtype=kv_dtype,

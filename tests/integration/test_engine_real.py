@@ -74,7 +74,7 @@ def test_bench_cli(tmp_path):
     assert modes == ["continuous", "static"]
     for row in report["rows"]:
         assert row["metrics"]["output_tokens"] == 3 * 8 and row["metrics"]["tpot_mean_s"] > 0
-        assert row["kernels"]["attention"] == ["cpu_paged_batched"] and 0 < row["roofline_fraction"] < 1.5
+        assert row["kernels"]["attention"] == ["cpu_paged_sdpa"] and 0 < row["roofline_fraction"] < 1.5
 
 
 def test_compare_cli_on_smollm2(tmp_path, monkeypatch):

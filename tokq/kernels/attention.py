@@ -7,9 +7,11 @@ the cache it writes is the cache it reads:
 
 - `triton_paged` (CUDA): write_kv_triton + paged_attention_triton (flash-decoding splits for decode,
   a chunked-prefill kernel otherwise);
-- `cpu_paged_batched` (CPU): write_kv_cpu + paged_attention_cpu_batched (a step's decode queries planned
-  from the metadata tensors, gathered into reused buffers, one SDPA call per group);
-- `cpu_paged_sdpa` (CPU): write_kv_cpu + paged_attention_cpu (gather, then SDPA; kept for comparison);
+- `cpu_paged_sdpa` (CPU): write_kv_cpu + paged_attention_cpu (gather, then SDPA);
+- `cpu_paged_batched` (CPU, only when TOKQ_KERNELS asks for it: cpu_paged_sdpa takes every CPU problem
+  first): write_kv_cpu + paged_attention_cpu_batched (decode plan from the metadata tensors, gathers into
+  reused buffers). ~25% faster than cpu_paged_sdpa on its own at batch 16 with a cache-resident layout,
+  but no faster inside the engine (benchmarks/continuous_batching.py), so it is not the default;
 - `paged_reference` (anywhere): write_kv_reference + paged_attention_reference (the oracle: fp32,
   explicit masked softmax).
 """
@@ -126,10 +128,10 @@ ATTENTION_KERNELS: list[AttentionCandidate] = [
     AttentionCandidate("triton_paged", _triton_supports, TritonFunction("paged_attention", "write_kv_triton"),
                        TritonFunction("paged_attention", "paged_attention_triton"),
                        "paged attention in Triton: KV write, split-K decode + merge, chunked prefill; int8/fp8 KV"),
-    AttentionCandidate("cpu_paged_batched", _cpu_batched_supports, write_kv_cpu, paged_attention_cpu_batched,
-                       "paged attention on CPU: decode plan from tensors, reused gather buffers, SDPA per group"),
     AttentionCandidate("cpu_paged_sdpa", _cpu_supports, write_kv_cpu, paged_attention_cpu,
                        "paged attention on CPU: index_copy_ KV write, gather + SDPA (batched decode)"),
+    AttentionCandidate("cpu_paged_batched", _cpu_batched_supports, write_kv_cpu, paged_attention_cpu_batched,
+                       "paged attention on CPU: decode plan from tensors, reused gather buffers, SDPA per group"),
     AttentionCandidate("paged_reference", _always, write_kv_reference, paged_attention_reference,
                        "gather to fp32, explicit masked softmax (the oracle)"),
 ]
