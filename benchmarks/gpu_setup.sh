@@ -15,6 +15,9 @@ if [ -z "$GPU_PY" ]; then
   echo "no Python with a CUDA-enabled torch found (tried .venv/bin/python, python3): run this on a GPU machine" >&2
   exit 1
 fi
+# A script runs with its own folder first on sys.path, not the working directory: the check below must not
+# pass only because tokq/ sits in the working directory.
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$GPU_PY" -c "import tokq.kernels.triton" 2>/dev/null; then
   "$GPU_PY" -m pip install --quiet --no-deps --no-index --no-build-isolation -e . >/dev/null 2>&1 || {
     echo "could not install tokq into $GPU_PY (pip install --no-deps --no-index -e . failed)" >&2; exit 1; }

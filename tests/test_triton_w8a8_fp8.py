@@ -182,7 +182,7 @@ def test_int8_gemm_matches_reference(m, sym, dtype):
     assert err < TOL[dtype], f"int8 W8A8 M={m} N={N} K={K} sym={sym} {dtype}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("config", [GemmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+@pytest.mark.parametrize("config", [GemmConfig(16, 16, 32, group_m=2, num_warps=1, num_stages=1),
                                     GemmConfig(32, 16, 64, group_m=1, num_warps=2, num_stages=2)])
 def test_int8_matmul_explicit_tiles(config):
     """Given tiles (benchmarks): several GROUP_M bands, a ragged last band, K steps past the end of K."""
@@ -193,6 +193,16 @@ def test_int8_matmul_explicit_tiles(config):
     out = int8_matmul(codes, scale, state, b.to(DEV), config)  # rowsum computed inside
     err = rel(out, linear_reference(x, weight, b, "int8"))
     assert err < TOL[torch.float32], f"int8_matmul {config}: relative error {err:.2e}"
+
+
+def test_eight_bit_gemms_refuse_block_k_below_32():
+    """int8 and fp8 tl.dot take K steps of 32 on the GPU (Triton refuses 16 there, though its interpreter
+    accepts it: seen on an H200): a given config with BLOCK_K 16 is refused before any launch, naming the fix."""
+    weight = int_weight(N, K, 8, K, sym=True, seed=7)
+    state = prepare_w8a8_int8(to_dev(weight), problem(weight, "int8"))
+    codes, scale = quantize_per_token_int8_triton(torch.randn(4, K).to(DEV))
+    with pytest.raises(ValueError, match="BLOCK_K >= 32"):
+        int8_matmul(codes, scale, state, None, GemmConfig(16, 16, 16, group_m=1, num_warps=1, num_stages=1))
 
 
 def test_int8_leading_dims_empty_batch_and_low_bit_codes():

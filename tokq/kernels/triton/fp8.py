@@ -33,6 +33,7 @@ import triton.language as tl
 from ..problem import LinearProblem
 from ..reference import FP8_E4M3_MAX, FP8Weight
 from .gemm_common import (
+    EIGHT_BIT_MIN_BLOCK_K,
     FLOAT_DTYPES,
     ONE_BYTE_CONFIGS,
     GemmConfig,
@@ -145,7 +146,7 @@ WEIGHT_ONLY_CONFIGS: dict[int, list[GemmConfig]] = {
 }
 
 
-_FP8_GEMM = TunedGemm(_fp8_gemm_kernel, FP8_CONFIGS)
+_FP8_GEMM = TunedGemm(_fp8_gemm_kernel, FP8_CONFIGS, min_block_k=EIGHT_BIT_MIN_BLOCK_K)
 _WEIGHT_ONLY_GEMM = TunedGemm(_fp8_gemm_kernel, WEIGHT_ONLY_CONFIGS)
 
 

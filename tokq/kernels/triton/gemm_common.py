@@ -66,6 +66,7 @@ class GemmConfig:
 
 # Under the interpreter: small tiles so tiny test shapes still span several tiles and K steps.
 INTERPRETER_CONFIG = GemmConfig(16, 32, 32, group_m=4, num_warps=1, num_stages=1)
+EIGHT_BIT_MIN_BLOCK_K = 32  # int8 / fp8 tl.dot on the GPU: K steps of 32 (Triton: "K >= 32")
 
 M_BUCKETS = (16, 128)  # rows <= 16 (decode), <= 128, and larger (prefill: bucket 0)
 
@@ -96,8 +97,13 @@ def gemm_grid(m: int, n: int):
 class TunedGemm:
     """A GEMM kernel (taking BLOCK_M/N/K and GROUP_M) with its tile configs per M bucket and their autotuners."""
 
-    def __init__(self, kernel, configs: dict[int, list[GemmConfig]]):
-        self.kernel, self.configs = kernel, configs
+    def __init__(self, kernel, configs: dict[int, list[GemmConfig]], min_block_k: int = 16):
+        # 8-bit operands (int8, fp8) reach the tensor cores in K steps of 32: Triton refuses a smaller
+        # BLOCK_K for them on the GPU (its interpreter does not, so the check lives here).
+        too_small = [c for cs in configs.values() for c in cs if c.block_k < min_block_k]
+        if too_small:
+            raise ValueError(f"{kernel.__name__}: configs with BLOCK_K < {min_block_k}: {too_small}")
+        self.kernel, self.configs, self.min_block_k = kernel, configs, min_block_k
         self.tuned = {bucket: triton.autotune([c.triton_config() for c in cs], key=["N", "K"])(kernel)
                       for bucket, cs in configs.items()}
 
@@ -105,6 +111,9 @@ class TunedGemm:
         """Run one GEMM: the given config, the interpreter's fixed one, the bucket's first config when
         TOKQ_TRITON_AUTOTUNE=0, or the autotuner of M's bucket."""
         grid = gemm_grid(m, n)
+        if config is not None and config.block_k < self.min_block_k:
+            raise ValueError(f"{config}: this GEMM's operands are 8-bit, and 8-bit tl.dot needs BLOCK_K >= "
+                             f"{self.min_block_k}: give block_k={self.min_block_k} or more")
         if config is None and interpreting():
             config = INTERPRETER_CONFIG
         elif config is None and not autotune_enabled():

@@ -39,6 +39,7 @@ from ..problem import LinearProblem
 from ..reference import IntWeight
 from . import interpreting
 from .gemm_common import (
+    EIGHT_BIT_MIN_BLOCK_K,
     ONE_BYTE_CONFIGS,
     GemmConfig,
     TunedGemm,
@@ -136,7 +137,7 @@ def _int8_gemm_kernel(x_ptr, w_ptr, y_ptr, sx_ptr, sw_ptr, rowsum_ptr, zero_ptr,
         mask_k = offs_k < K - k0
         a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0)
         b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # int8 x int8: Triton defaults out_dtype to fp32
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -150,7 +151,7 @@ def _int8_gemm_kernel(x_ptr, w_ptr, y_ptr, sx_ptr, sw_ptr, rowsum_ptr, zero_ptr,
     store_tile(y, y_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS)
 
 
-_INT8_GEMM = TunedGemm(_int8_gemm_kernel, INT8_CONFIGS)
+_INT8_GEMM = TunedGemm(_int8_gemm_kernel, INT8_CONFIGS, min_block_k=EIGHT_BIT_MIN_BLOCK_K)
 
 
 @dataclass
