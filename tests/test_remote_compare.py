@@ -170,3 +170,13 @@ def test_url_variant_in_tokq_toml(tmp_path, models):
                     '[gate.quality]\nmax_kl = 0.05\n')
     with pytest.raises(ConfigError, match=r"tokq.toml:4.*cannot be quantized"):
         load_project(path)
+
+
+def test_compare_help_shows_the_url_syntax(capsys):
+    """The URL syntax's optional parts were written in brackets, which rich read as markup: `tokq compare --help`
+    crashed (MarkupError: closing tag '[/v1]')."""
+    from tokq.cli import main
+
+    assert main(["compare", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "#model=NAME&tokenizer=DIR&topk=K" in out

@@ -56,11 +56,12 @@ def thresholds_from_config() -> dict[str, dict[str | None, float]]:
 
 def compare_cmd(
     a: str = typer.Argument(..., help="Baseline: a tokq.toml variant, zoo name, checkpoint directory, fp16 (the "
-                                      "base B was quantized from), or a served model: url=http://HOST:PORT[/v1]"
-                                      "[#model=NAME&tokenizer=DIR&topk=K] (an OpenAI-compatible server with prompt "
+                                      "base B was quantized from), or a served model: url=http://HOST:PORT/v1"
+                                      "#model=NAME&tokenizer=DIR&topk=K (/v1 and the # keys optional; an OpenAI-compatible server with prompt "
                                       "logprobs; the KL is then a lower bound, see --help's epilog)."),
     b: str = typer.Argument(..., help="Candidate: a tokq.toml variant (a url variant too), zoo name, checkpoint "
-                                      "directory, or url=http://HOST:PORT[/v1][#model=NAME&tokenizer=DIR&topk=K]."),
+                                      "directory, or url=http://HOST:PORT/v1#model=NAME&tokenizer=DIR&topk=K "
+                                      "(/v1 and the # keys optional)."),
     data: str = typer.Option(None, "--data", help="Folder of documents, or a tokq.toml [data.NAME] set name (its "
                                                   "keys apply where an option is left at its default; default: the "
                                                   "default long-document set)."),
@@ -114,7 +115,7 @@ def compare_cmd(
 ) -> None:
     """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression.
 
-    A side may be a served model, url=http://HOST:PORT[/v1] with optional #model=NAME (the served name; default the
+    A side may be a served model, url=http://HOST:PORT/v1 (/v1 optional) with optional #model=NAME (the served name; default the
     server's first), &tokenizer=DIR (the served model's tokenizer, needed when both sides are URLs) and &topk=K
     (default 20, capped by the server's --max-logprobs). Each window is sent as token ids with prompt_logprobs=K
     (vLLM, tokq serve) or logprobs=K with echo (llama.cpp), and the echoed tokens are checked against the window.
