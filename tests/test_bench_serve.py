@@ -3,19 +3,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.hostile.conftest import write_word_docs
+from tests.serve_process import free_port, tokq_serve
 from tests.test_models_vs_hf import make_hf_checkpoint
 from tests.test_quantize_cli import save_word_tokenizer
 from tokq.cli import main
@@ -28,47 +23,6 @@ from tokq.remote.bench_serve import (
     run_serve_bench,
 )
 from tokq.remote.http import EndpointClient, EndpointError
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def tokq_serve(checkpoint: Path, *extra: str, start_timeout_s: float = 300.0):
-    """`tokq serve CHECKPOINT` in a subprocess; yields its base URL once GET /health answers 200."""
-    port = free_port()
-    log = open(checkpoint.parent / f"serve-{port}.log", "w+b")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "tokq", "serve", str(checkpoint), "--port", str(port),
-                             "--dtype", "fp32", "--threads", "1", "--log-level", "warning", *extra],
-                            cwd=checkpoint.parent, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"tokq serve exited {proc.returncode}: {log.read().decode()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("tokq serve did not answer /health in time")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_bench_serve import tokq_serve
+from tests.serve_process import tokq_serve
 from tests.test_models_vs_hf import make_hf_checkpoint
 from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main

@@ -10,23 +10,17 @@ Retry-After when --max-queue is reached, and SIGTERM draining an in-flight reque
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.serve_process import ServeProcess
 from tests.test_models_vs_hf import make_hf_checkpoint
 from tests.test_quantize_cli import save_word_tokenizer
 
-TOKQ = str(Path(sys.executable).with_name("tokq"))
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8"
 
@@ -41,59 +35,10 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`tokq serve` in a subprocess; `url` once /health answers."""
-
-    def __init__(self, checkpoint: Path, home: Path, *extra: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = home / f"serve-{self.port}.log"
-        env = {**os.environ, "TOKQ_HOME": str(home)}
-        self.proc = subprocess.Popen(
-            [TOKQ, "serve", str(checkpoint), "--port", str(self.port), "--dtype", "fp32", "--kv-memory", "16MiB",
-             "--max-num-seqs", "4", "--served-model-name", "tiny", "--threads", "1", "--log-level", "warning",
-             *extra], stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, f"tokq serve exited {self.proc.returncode}: {self.log.read_text()}"
-            assert time.monotonic() < deadline, f"tokq serve did not answer /health: {self.log.read_text()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                reason = sample.labels.get("finished_reason")
-                out[sample.name + (f"[{reason}]" if reason else "")] = sample.value
-        return out
-
-    def wait_idle(self) -> dict[str, float]:
-        """The metrics once nothing runs, waits or holds KV blocks (aborts land between engine steps)."""
-        deadline = time.monotonic() + 60
-        while True:
-            m = self.metrics()
-            if m["tokq:num_requests_running"] == 0 and m["tokq:num_requests_waiting"] == 0 \
-                    and m["tokq:kv_cache_usage_perc"] == 0:
-                return m
-            assert time.monotonic() < deadline, f"the server never went idle: {m}"
-            time.sleep(0.1)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
+def Server(checkpoint: Path, home: Path, *extra: str) -> ServeProcess:
+    """This file's server: a 16 MiB cache, 4 sequences, served as "tiny"."""
+    return ServeProcess(checkpoint, "--kv-memory", "16MiB", "--max-num-seqs", "4", "--served-model-name", "tiny",
+                        *extra, home=home, start_timeout_s=120)
 
 
 @pytest.fixture(scope="module")
