@@ -79,6 +79,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     static: bool = False
     chunked_prefill: bool = True
+    # while a sequence decodes, a step's prefill tokens are capped here (None: no cap); see tokq.engine.scheduler
+    max_prefill_tokens_with_decode: int | None = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_kernels: str | None = None  # a TOKQ_KERNELS-style selection for attention (None: the env's)
 
@@ -136,6 +138,9 @@ class LLMEngine:
         cfg = self.config
         mc = model.config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        if cfg.max_prefill_tokens_with_decode is not None and cfg.max_prefill_tokens_with_decode < 1:
+            raise EngineError(f"max_prefill_tokens_with_decode={cfg.max_prefill_tokens_with_decode}: must be >= 1 "
+                              "(None for no cap)")
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise EngineError(f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}: "
                               "both must be >= 1")
@@ -145,7 +150,8 @@ class LLMEngine:
         self.caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model.device)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.static,
-                                                   cfg.chunked_prefill), self.blocks)
+                                                   cfg.chunked_prefill, cfg.max_prefill_tokens_with_decode),
+                                   self.blocks)
         self.runner = ModelRunner(model, self.kv_spec, self.caches, cfg.attention_kernels)
         eos = mc.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -66,6 +66,13 @@ class Workload:
         return gaps.cumsum(0).tolist()
 
 
+def warm_up(engine: LLMEngine, prompt: list[int]) -> None:
+    """One short request to pay first-call costs before timing: up to 16 prompt tokens and 4 new ones, cut
+    to fit the engine's context (a workload's max_model_len can be as small as prompt + output length)."""
+    new = min(4, engine.max_model_len - 1)
+    engine.generate([prompt[:min(16, engine.max_model_len - new)]], SamplingParams(max_tokens=new, ignore_eos=True))
+
+
 def run_workload(engine: LLMEngine, workload: Workload, prompts: list[list[int]],
                  on_finish: Callable[[int], None] | None = None) -> RunMetrics:
     """Play the workload (arrivals on the wall clock) until every request finishes; the run's metrics."""
@@ -107,7 +114,7 @@ def bench_model(name: str, model: CausalLM, workload: Workload, modes: list[str]
     max_len = workload.prompt_len + max(workload.output_lengths())
     for mode in modes:
         engine = LLMEngine(model, EngineConfig(static=mode == "static", max_model_len=max_len, **engine_kwargs))
-        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: first-call costs
+        warm_up(engine, prompts[0])
         task = progress.add_task(f"{name} {mode}", total=workload.num_requests) if progress else None
         start = time.perf_counter()
         metrics = run_workload(engine, workload, prompts,
