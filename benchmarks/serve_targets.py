@@ -2,6 +2,8 @@
 
     python benchmarks/serve_targets.py [--int4 /tmp/smollm2-135m-rtn-w4g64] [--threads 2] [--repeats 3]
 
+Over 400 lines: three phases of one measurement run that share the servers, the load records and one report.
+
 1. Throughput and TTFT (SmolLM2-135M int4, RTN w4a16 g64: the build is made under --cache-dir when --int4 is
    missing; g128 does not divide the model's 576-wide inputs). The same workload twice per repeat, alternating
    in-process (A) and served (B), A B A B ..., so that machine noise hits both:
@@ -246,6 +248,26 @@ def ttft_probe(sides: Sides, args) -> dict:
             "inprocess_all": a, "served_all": b}
 
 
+def summarize_runs(out: dict) -> None:
+    """Medians with min/max per side, and per repeat the served / in-process ratios: throughput, TTFT p50
+    difference, and output tokens per CPU second of the serving process (the engine's own process in-process,
+    the server process when served): what serving costs when the two sides got unequal shares of a busy CPU."""
+    for run in out["runs"]:
+        cores = run["cores_this_process" if run["side"] == "inprocess" else "cores_server_process"]
+        run["output_tokens_per_cpu_s"] = run["output_throughput"] / cores if cores > 0 else None
+    keys = ("output_throughput", "ttft_p50_ms", "tpot_mean_ms", "cores_this_process", "cores_server_process",
+            "output_tokens_per_cpu_s")
+    for side in ("inprocess", "served"):
+        runs = [x for x in out["runs"] if x["side"] == side]
+        out[side] = {k: spread([x[k] for x in runs]) for k in keys}
+    pairs = [(a, b) for a in out["runs"] for b in out["runs"]
+             if a["side"] == "inprocess" and b["side"] == "served" and a["repeat"] == b["repeat"]]
+    out["throughput_ratio"] = spread([b["output_throughput"] / a["output_throughput"] for a, b in pairs])
+    out["ttft_p50_delta_ms"] = spread([b["ttft_p50_ms"] - a["ttft_p50_ms"] for a, b in pairs])
+    out["per_cpu_second_ratio"] = spread([b["output_tokens_per_cpu_s"] / a["output_tokens_per_cpu_s"]
+                                          for a, b in pairs])
+
+
 def throughput_phase(args, int4: Path, scratch: Path) -> tuple[dict, dict]:
     from tokq.engine.workload import Workload
     from tokq.serve.launch import load_engine
@@ -283,14 +305,7 @@ def throughput_phase(args, int4: Path, scratch: Path) -> tuple[dict, dict]:
                       f"server {run['cores_server_process']:.2f}, load {run['load_average'][0]}", flush=True)
         out["client_load"] = monitor.stop()
         out["load_average_after"] = load_average()
-        keys = ("output_throughput", "ttft_p50_ms", "tpot_mean_ms", "cores_this_process", "cores_server_process")
-        for side in ("inprocess", "served"):
-            runs = [x for x in out["runs"] if x["side"] == side]
-            out[side] = {k: spread([x[k] for x in runs]) for k in keys}
-        pairs = [(a, b) for a in out["runs"] for b in out["runs"]
-                 if a["side"] == "inprocess" and b["side"] == "served" and a["repeat"] == b["repeat"]]
-        out["throughput_ratio"] = spread([b["output_throughput"] / a["output_throughput"] for a, b in pairs])
-        out["ttft_p50_delta_ms"] = spread([b["ttft_p50_ms"] - a["ttft_p50_ms"] for a, b in pairs])
+        summarize_runs(out)
         print("  TTFT probe (one request at a time)", flush=True)
         out["probe"] = {"load_average_before": load_average(), **ttft_probe(sides, args),
                         "load_average_after": load_average(),
@@ -368,7 +383,7 @@ def robust_specs(n: int, vocab: int, rng: random.Random) -> list[dict]:
     specs = []
     for _ in range(n):
         spec = {"prompt": [rng.randrange(1000, vocab) for _ in range(rng.randint(8, 48))],
-                "max_tokens": rng.randint(4, 24), "stream": rng.random() < 0.75}
+                "max_tokens": rng.randint(4, 16), "stream": rng.random() < 0.75}
         if spec["stream"] and rng.random() < 0.3:
             spec["close_after"] = rng.randint(1, spec["max_tokens"] - 1)
         if not spec["stream"] and rng.random() < 0.3:
@@ -523,8 +538,11 @@ def print_table(out: dict) -> None:
               f"{cell(s['tpot_mean_ms']):>26}")
     p = t["probe"]
     print(f"   served / in-process throughput {cell(t['throughput_ratio'], '.3f')} (target >= 0.9: "
-          f"{t['targets']['throughput_ratio_ge_0.9']}); TTFT p50 served - in-process at concurrency "
-          f"{out['concurrency']}: {cell(t['ttft_p50_delta_ms'])} ms")
+          f"{t['targets']['throughput_ratio_ge_0.9']}); per CPU second of the serving process "
+          f"{cell(t['per_cpu_second_ratio'], '.3f')} (cores busy: in-process "
+          f"{cell(t['inprocess']['cores_this_process'], '.2f')}, server {cell(t['served']['cores_server_process'], '.2f')}"
+          f", client {cell(t['served']['cores_this_process'], '.2f')}); TTFT p50 served - in-process at "
+          f"concurrency {out['concurrency']}: {cell(t['ttft_p50_delta_ms'])} ms")
     print(f"   TTFT probe, one request at a time: in-process {cell(p['inprocess_ttft_ms'])} ms, served "
           f"{cell(p['served_ttft_ms'])} ms: HTTP adds {p['http_added_ttft_p50_ms']:.1f} ms (target <= 5: "
           f"{t['targets']['http_ttft_p50_le_5ms']}); load {p['load_average_before']} -> {p['load_average_after']}")
@@ -567,7 +585,15 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--skip", default="", help="comma-separated phases to skip: throughput,burst,logprobs")
     p.add_argument("--out", type=Path, default=RESULT)
+    p.add_argument("--resummarize", action="store_true",
+                   help="recompute the summaries of --out's recorded runs (no measuring), rewrite it, print the table")
     args = p.parse_args()
+    if args.resummarize:
+        out = json.loads(args.out.read_text())
+        summarize_runs(out["throughput"])
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        print_table(out)
+        return
 
     from tokq.runtime import setup_runtime
 
