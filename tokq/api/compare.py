@@ -132,19 +132,14 @@ def data_set_settings(data_set) -> tuple[Path, dict]:
 
 def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, runtime) -> CompareResult:
     """Everything `tokq compare` does after parsing its options (the gate calls it too)."""
-    from tokq.engine.checkpoint import load_model
+    from tokq.api.compare_windows import document_windows, engine_loader
     from tokq.engine.config import read_config
     from tokq.engine.kv_cache import parse_bytes
-    from tokq.engine.llm_engine import EngineConfig, LLMEngine
-    from tokq.engine.tokenizer import check_windows_fit, load_tokenizer, model_adds_bos
+    from tokq.engine.tokenizer import check_windows_fit, load_tokenizer
     from tokq.errors import ConfigError, DataError
     from tokq.evalsuite.compare import ModelRun, ScoringPlan, run_compare, token_window_docs
-    from tokq.longctx.documents import load_documents
     from tokq.longctx.probes import evenly_spaced_depths
     from tokq.longctx.read_limits import read_limits
-    from tokq.longctx.text_encoding import as_text_encoder
-    from tokq.longctx.windows import build_windows
-    from tokq.paths import data_dir
 
     for flag, value in (("--topk", s.topk), ("--resamples", s.resamples), ("--window", s.window),
                         ("--probe-depths", s.probe_depths), ("--probe-repeats", s.probe_repeats)):
@@ -177,22 +172,7 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
                           f"{len(tok_b.get_vocab())} tokens): per-token metrics need the same tokens; compare "
                           "variants of one model")
     topk = min(s.topk, config_a.vocab_size)  # more than the vocabulary is all of it: the KL is exact
-    if data is None:
-        data = data_dir() / "default"
-        if not data.is_dir():
-            raise DataError(f"the default document set {data} is not built yet: run `tokq data build-default` or "
-                            "pass --data DIR")
-    docs = load_documents(data, strict=s.strict, limits=limits)
-    add_bos = model_adds_bos(tok_a)
-    encoder = as_text_encoder(tok_a, add_bos)
-    # not every document encoded up front: with max_tokens, only as much as the windows can reach
-    windows = build_windows(docs.documents, encoder, window, s.stride, add_bos, s.max_tokens)
-    if s.sample_windows is not None:
-        if s.sample_windows < 1:
-            raise ConfigError(f"--sample-windows {s.sample_windows}: must be >= 1")
-        windows = windows.sample(s.sample_windows)
-    if not windows.windows:
-        raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
+    data, docs, windows, add_bos = document_windows(data, tok_a, window, s, limits)
     check_windows_fit(windows.windows, config_a.vocab_size, a, tok_a)
     capacity = window - int(add_bos)
     used = {w.doc_id for w in windows.windows}
@@ -209,12 +189,9 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     _check_power(s, probe_ctx, min(engine_len, context) if s.probes else None, len(used))
 
     def loader(checkpoint: Path, tokenizer, cache_dtype: str):
-        def load() -> LLMEngine:
-            model = load_model(checkpoint, dtype=compute, device=runtime.device)
-            return LLMEngine(model, EngineConfig(max_model_len=min(engine_len, context), kv_memory=budget,
-                                                 kv_dtype=cache_dtype, max_num_seqs=4,
-                                                 max_num_batched_tokens=max(2048, window)), tokenizer)
-        return load
+        return engine_loader(checkpoint, tokenizer, dtype=compute, device=runtime.device,
+                             max_model_len=min(engine_len, context), kv_memory=budget, kv_dtype=cache_dtype,
+                             window=window)
 
     plan = ScoringPlan(window=window, stride=windows.stride, max_tokens=s.max_tokens, topk=topk,
                        full_kl_rows=s.full_kl_rows, decode_windows=s.decode_windows,

@@ -7,24 +7,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokq.errors import ConfigError, DataError
+from tokq.errors import ConfigError
 
 
 def run_remote_settings(a: str, b: str, data: Path | None, s, runtime, limits, console, resolve_variant) -> dict:
     """What run_compare_settings does for a compare with at least one URL side: the result dict
     (`resolve_variant`: api.compare's, passed in so the two modules do not import each other)."""
+    from tokq.api.compare_windows import document_windows, engine_loader
     from tokq.dtypes import compute_dtype_name
-    from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
     from tokq.engine.kv_cache import parse_bytes
-    from tokq.engine.llm_engine import EngineConfig, LLMEngine
-    from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.engine.tokenizer import load_tokenizer
     from tokq.evalsuite.compare import ScoringPlan, token_window_docs
     from tokq.evalsuite.remote_compare import Side, run_remote_compare
-    from tokq.longctx.documents import load_documents
-    from tokq.longctx.text_encoding import as_text_encoder
-    from tokq.longctx.windows import build_windows
-    from tokq.paths import data_dir
     from tokq.remote.endpoint_scoring import EndpointScorer, parse_side
 
     if s.window < 1 or s.topk < 1:
@@ -45,19 +40,7 @@ def run_remote_settings(a: str, b: str, data: Path | None, s, runtime, limits, c
                               "url=http://host:8000/v1#tokenizer=/path/to/model (a checkpoint folder)")
         tokenizer = load_tokenizer(Path(given).expanduser())
         window, topk = s.window, s.topk
-    if data is None:
-        data = data_dir() / "default"
-        if not data.is_dir():
-            raise DataError(f"the default document set {data} is not built yet: run `tokq data build-default` or "
-                            "pass --data DIR")
-    docs = load_documents(data, strict=s.strict, limits=limits)
-    add_bos = model_adds_bos(tokenizer)
-    windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), window, s.stride, add_bos,
-                            s.max_tokens)
-    if s.sample_windows is not None:
-        windows = windows.sample(s.sample_windows)
-    if not windows.windows:
-        raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
+    data, docs, windows, _ = document_windows(data, tokenizer, window, s, limits)
     compute = compute_dtype_name(s.dtype, runtime.device)
     budget = parse_bytes(s.kv_memory) if s.kv_memory else None
 
@@ -68,10 +51,8 @@ def run_remote_settings(a: str, b: str, data: Path | None, s, runtime, limits, c
         checkpoint = local[key]
         kv = (s.b_kv_dtype or s.kv_dtype) if key == "b" else s.kv_dtype
 
-        def load() -> LLMEngine:
-            model = load_model(checkpoint, dtype=compute, device=runtime.device)
-            return LLMEngine(model, EngineConfig(max_model_len=window, kv_memory=budget, kv_dtype=kv, max_num_seqs=4,
-                                                 max_num_batched_tokens=max(2048, window)), load_tokenizer(checkpoint))
+        load = engine_loader(checkpoint, load_tokenizer(checkpoint), dtype=compute, device=runtime.device,
+                             max_model_len=window, kv_memory=budget, kv_dtype=kv, window=window)
         return Side(names[key], load=load, checkpoint=checkpoint)
 
     plan = ScoringPlan(window=window, stride=windows.stride, max_tokens=s.max_tokens, topk=topk, full_kl_rows=0,

@@ -62,7 +62,7 @@ def compare_cmd(
     b: str = typer.Argument(..., help="Candidate: a tokq.toml variant (a url variant too), zoo name, checkpoint "
                                       "directory, or url=http://HOST:PORT/v1#model=NAME&tokenizer=DIR&topk=K "
                                       "(/v1 and the # keys optional)."),
-    data: str = typer.Option(None, "--data", help="Folder of documents, or a tokq.toml [data.NAME] set name (its "
+    data: str = typer.Option(None, "--data", help="Folder of documents, or a tokq.toml \\[data.NAME] set name (its "
                                                   "keys apply where an option is left at its default; default: the "
                                                   "default long-document set)."),
     window: int = typer.Option(2048, "--window", help="Tokens per window (BOS included where the model uses one)."),

@@ -1,0 +1,52 @@
+"""What both compare paths (two local models: api.compare; a URL side: api.remote_compare) share: the scored
+windows cut from the documents, and how a local side's engine is loaded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tokq.errors import ConfigError, DataError
+
+
+def document_windows(data: Path | None, tokenizer, window: int, s, limits):
+    """(data folder, loaded documents, WindowSet, add_bos) for the settings `s` (a CompareSettings): the default
+    set when `data` is None, windows of `window` tokens, `s.sample_windows` of them when set."""
+    from tokq.engine.tokenizer import model_adds_bos
+    from tokq.longctx.documents import load_documents
+    from tokq.longctx.text_encoding import as_text_encoder
+    from tokq.longctx.windows import build_windows
+    from tokq.paths import data_dir
+
+    if data is None:
+        data = data_dir() / "default"
+        if not data.is_dir():
+            raise DataError(f"the default document set {data} is not built yet: run `tokq data build-default` or "
+                            "pass --data DIR")
+    docs = load_documents(data, strict=s.strict, limits=limits)
+    add_bos = model_adds_bos(tokenizer)
+    # not every document encoded up front: with max_tokens, only as much as the windows can reach
+    windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), window, s.stride, add_bos,
+                            s.max_tokens)
+    if s.sample_windows is not None:
+        if s.sample_windows < 1:
+            raise ConfigError(f"--sample-windows {s.sample_windows}: must be >= 1")
+        windows = windows.sample(s.sample_windows)
+    if not windows.windows:
+        raise DataError(f"{data}: no document yields a window of at least 16 tokens; add longer documents")
+    return data, docs, windows, add_bos
+
+
+def engine_loader(checkpoint: Path, tokenizer, *, dtype: str, device, max_model_len: int, kv_memory: int | None,
+                  kv_dtype: str, window: int) -> Callable:
+    """A function that loads the checkpoint into an engine sized for scoring windows (called when its turn
+    comes, so the two models of a compare are never loaded at once)."""
+
+    def load():
+        from tokq.engine.checkpoint import load_model
+        from tokq.engine.llm_engine import EngineConfig, LLMEngine
+
+        model = load_model(checkpoint, dtype=dtype, device=device)
+        return LLMEngine(model, EngineConfig(max_model_len=max_model_len, kv_memory=kv_memory, kv_dtype=kv_dtype,
+                                             max_num_seqs=4, max_num_batched_tokens=max(2048, window)), tokenizer)
+    return load
