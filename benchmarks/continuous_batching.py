@@ -13,7 +13,7 @@ the engine's default step budget of 2048 tokens; outputs forced to their length)
   member finishes, the finished ones computed as padding; continuous batching refills their seats.
 - poisson: the mixed lengths arriving as a Poisson process (--rate requests/s; default about what
   continuous batching serves at c): static batching also waits for a batch to drain before admitting.
-Modes, interleaved within each repeat: continuous (cap 256, the default), continuous_nocap (cap None), static.
+Modes, interleaved within each repeat: continuous (cap 256), continuous_nocap (cap None, the default), static.
 Reported per workload: output tokens/s, continuous / static and cap / no-cap ratios per repeat, TBT p95 /
 TPOT (mean of per-request TPOT), step counts. Medians with min/max over repeats.
 
@@ -87,7 +87,8 @@ def decode_step(model, batch: int, kernel: str, prompt_len: int = 256, new_token
             "steps": len(steps)}
 
 
-MODES = {"continuous": dict(static=False), "continuous_nocap": dict(static=False, max_prefill_tokens_with_decode=None),
+MODES = {"continuous": dict(static=False, max_prefill_tokens_with_decode=256),
+         "continuous_nocap": dict(static=False, max_prefill_tokens_with_decode=None),
          "static": dict(static=True)}
 PROMPT, GEN = 256, 64
 KEYS = ("wall_s", "output_tokens", "output_tokens_per_s", "tpot_mean_s", "tbt_p50_s", "tbt_p95_s", "tbt_p99_s",

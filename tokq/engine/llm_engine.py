@@ -80,7 +80,7 @@ class EngineConfig:
     static: bool = False
     chunked_prefill: bool = True
     # while a sequence decodes, a step's prefill tokens are capped here (None: no cap); see tokq.engine.scheduler
-    max_prefill_tokens_with_decode: int | None = 256
+    max_prefill_tokens_with_decode: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_kernels: str | None = None  # a TOKQ_KERNELS-style selection for attention (None: the env's)
 

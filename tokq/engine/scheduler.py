@@ -41,9 +41,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     static: bool = False
     chunked_prefill: bool = True  # False: a prompt is admitted only when it fits the step's budget whole
-    # Prefill tokens a step may carry while a sequence decodes (None: no cap; continuous chunked mode only). 256 was
-    # measured with benchmarks/continuous_batching.py (TBT p95 against TPOT at concurrency 16 on CPU).
-    max_prefill_tokens_with_decode: int | None = 256
+    # Prefill tokens a step may carry while a sequence decodes (None: no cap; continuous chunked mode only). Off by
+    # default: measured on CPU (benchmarks/results/continuous_batching.json) 256 cost 0.71x throughput with fixed
+    # lengths at concurrency 16 (freed seats refilled one prompt a step) and did not bring TBT p95 under 2x TPOT.
+    max_prefill_tokens_with_decode: int | None = None
 
 
 @dataclass
