@@ -7,7 +7,7 @@ import inspect
 from dataclasses import fields
 
 from tokq.commands.quantize import quantize_cmd
-from tokq.quantization.recipe import RUNTIME_KEYS, recipe_options, split_recipe
+from tokq.quantization.recipe import GATE_KEYS, RUNTIME_KEYS, recipe_options, split_recipe
 from tokq.settings import QuantizeSettings
 
 
@@ -20,7 +20,7 @@ def test_every_setting_is_a_quantize_flag_of_the_same_name():
 
 
 def test_recipe_keys_are_the_settings_and_the_runtime_keys():
-    assert set(recipe_options()) == {f.name for f in fields(QuantizeSettings)} | set(RUNTIME_KEYS)
+    assert set(recipe_options()) == {f.name for f in fields(QuantizeSettings)} | set(RUNTIME_KEYS) | set(GATE_KEYS)
 
 
 def test_recipe_option_types():

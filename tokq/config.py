@@ -53,7 +53,7 @@ from tokq.config_checker import Checker, check_url_variant, table_error, url_sid
 from tokq.errors import ConfigError
 from tokq.evalsuite.rule_defs import POSITION_BUCKETS, QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
 from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
-from tokq.quantization.recipe import METHOD_NAMES, recipe_options
+from tokq.quantization.recipe import METHOD_NAMES, gate_target_problem, recipe_options
 from tokq.zoo_catalog import ZOO
 
 if sys.version_info >= (3, 11):
@@ -323,6 +323,9 @@ def _check_recipe(check: Checker, name: str, recipe: dict) -> None:
     if recipe["method"] not in METHOD_NAMES:
         raise check.fail("variants", name, f"recipe method = {recipe['method']!r} is not a method; choose one of "
                                            f"{', '.join(METHOD_NAMES)}")
+    problem = gate_target_problem(recipe)
+    if problem:
+        raise check.fail("variants", name, problem)
 
 
 def _data_set(check: Checker, path: Path, name: str, entry: dict) -> DataSet:

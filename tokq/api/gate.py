@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,8 @@ def gate(config: str | Path | None = None, *, variants: list[str] | None = None,
         # A stale report must not pass for this run's verdict: removed now, and only if tokq wrote it.
         remove_owned(out, REPORT)
         # a url variant's "checkpoint" is its compare side (url=...#model=...): it is never built
-        checkpoints = {name: project.variants[name].side or _checkpoint(project, name, threads) for name in names}
+        checkpoints = {name: project.variants[name].side or _checkpoint(project, name, threads, data_set, runtime, seed)
+                       for name in names}
         report = {"tokq_version": __version__, "command": "gate", "config": str(path),
                   "config_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
                   "base": display_name(project.base), "base_checkpoint": str(base), "data": data_set.name,
@@ -225,7 +227,7 @@ def _foreign_checkpoint(project, name: str, target: Path):
                                            "rebuilds it from the recipe, or drop the recipe to gate it as it is")
 
 
-def _checkpoint(project, name: str, threads: int | None) -> Path:
+def _checkpoint(project, name: str, threads: int | None, data_set, runtime, seed: int) -> Path:
     """The variant's checkpoint; one with a recipe is built with tokq.api.quantize when missing, reused when it
     records this recipe's hash (recipe table + base model content), rebuilt when it records another."""
     from tokq.outputs import output_lock
@@ -237,10 +239,11 @@ def _checkpoint(project, name: str, threads: int | None) -> Path:
     # Held from reading the recorded hash to the end of the build (the quantization takes it again, from this
     # process): another gate building the same variant is refused, not raced.
     with output_lock(target, f"path for variant {name} in {project.path.name}"):
-        return _from_recipe(project, name, recipe, target, threads)
+        return _from_recipe(project, name, recipe, target, threads, data_set, runtime, seed)
 
 
-def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | None) -> Path:
+def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | None, data_set, runtime,
+                 seed: int) -> Path:
     from tokq.api.quantize import run_quantize
     from tokq.evalsuite.baseline_cache import model_hash
     from tokq.quantization.pipeline import recipe_sha256, recorded_recipe_sha256
@@ -248,7 +251,12 @@ def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | 
     from tokq.settings import QuantizeSettings
 
     base = base_checkpoint(project)
-    wanted = recipe_sha256(recipe, model_hash(base))
+    searched = recipe.get("target") == "gate"
+    compare_settings = gate_compare_settings(project, data_set, seed)
+    # A searched build also follows the gate's rules and its data set (the search judges builds by them): those go
+    # into the hash with the recipe, so editing [gate.quality] or the documents rebuilds it.
+    wanted = recipe_sha256({**recipe, "gate": _search_inputs(project, data_set, compare_settings)} if searched
+                           else recipe, model_hash(base))
     recorded = recorded_recipe_sha256(target) if target.is_dir() else None
     if target.is_dir() and recorded is None:
         raise _foreign_checkpoint(project, name, target)
@@ -266,6 +274,13 @@ def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | 
                              "until the new one is complete)"), highlight=False, soft_wrap=True)
     console.print(escape(f"building variant {name} from its recipe: {_recipe_text(recipe)}"), highlight=False)
     try:
+        if searched:
+            from tokq.api.gate_search import build_for_gate
+
+            build_for_gate(project, name, {**recipe, **({"calib": settings["calib"]} if "calib" in settings else {})},
+                           target, data_set, compare_settings, runtime, wanted, force=recorded is not None,
+                           threads=threads, device=runtime_keys.get("device", "auto"))
+            return target
         # force: save_quantized replaces the old checkpoint only once the new one is complete
         run_quantize(str(base), target, QuantizeSettings(**settings), force=recorded is not None,
                      recipe_sha256=wanted, threads=threads, device=runtime_keys.get("device", "auto"))
@@ -274,22 +289,49 @@ def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | 
     return target
 
 
+def gate_compare_settings(project, data, seed: int):
+    """The CompareSettings the gate judges a variant with: the [data.NAME] table's keys, [gate.quality]'s rules."""
+    from dataclasses import replace
+
+    from tokq.api.compare import data_set_settings
+    from tokq.evalsuite.gate_rules import quality_thresholds
+    from tokq.settings import CompareSettings
+
+    _folder, keys = data_set_settings(data)
+    return replace(CompareSettings(**keys), thresholds=quality_thresholds(project.quality),
+                   threshold_on=project.threshold_on, dtype=project.dtype, seed=seed)
+
+
+def _search_inputs(project, data, settings) -> dict:
+    """What a `target = "gate"` build depends on besides its recipe and base: the rules, the data set's settings and
+    its files' content (sha256 over relative names and bytes)."""
+    import dataclasses
+
+    from tokq.api.compare import data_set_settings
+
+    folder, _keys = data_set_settings(data)
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(folder)).encode())
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    fields = dataclasses.asdict(settings)
+    fields["thresholds"] = {rule: {str(k): v for k, v in by.items()} for rule, by in settings.thresholds.items()}
+    return {"settings": fields, "data_sha256": h.hexdigest()}
+
+
 def _recipe_text(recipe: dict) -> str:
     return ", ".join(f"{k} = {v!r}" for k, v in recipe.items())
 
 
 def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtime, seed: int,
                   no_speed: bool) -> dict:
-    from dataclasses import replace
 
     from tokq.api.compare import data_set_settings, run_compare_settings
-    from tokq.evalsuite.gate_rules import overall_result, quality_thresholds, speed_verdicts
-    from tokq.settings import CompareSettings
+    from tokq.evalsuite.gate_rules import overall_result, speed_verdicts
 
     console.print(f"[bold]gate {escape(name)}[/]: quality on {escape(f'[data.{data.name}]')}", highlight=False)
-    folder, keys = data_set_settings(data)
-    settings = replace(CompareSettings(**keys), thresholds=quality_thresholds(project.quality),
-                       threshold_on=project.threshold_on, dtype=project.dtype, seed=seed)
+    folder, _keys = data_set_settings(data)
+    settings = gate_compare_settings(project, data, seed)
     quality = run_compare_settings(str(base), str(checkpoint), folder, settings, runtime).data
     quality["a"]["name"], quality["b"]["name"] = display_name(project.base), name  # names, never absolute paths
     rules = [{"kind": "quality", **t, "result": t.get("result") or (
@@ -314,4 +356,13 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
         rules += speed_verdicts(project.speed, analysis, bench["memory"])
     result = overall_result([r["result"] for r in rules])
     return {"checkpoint": str(checkpoint), "compare": quality, "bench": bench, "rules": rules, "result": result,
-            "passed": result == "pass"}
+            "passed": result == "pass", "search": _recorded_search(checkpoint)}
+
+
+def _recorded_search(checkpoint) -> dict | None:
+    """The mixed-precision search a `target = "gate"` build records in its tokq_quantization.json (None otherwise)."""
+    try:
+        record = json.loads((Path(checkpoint) / "tokq_quantization.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    return record.get("gate_search") if isinstance(record, dict) else None

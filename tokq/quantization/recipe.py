@@ -20,6 +20,10 @@ from tokq.settings import QuantizeSettings
 # module; tests/test_recipe.py keeps the two equal). Here so that tokq.toml is checked without loading torch.
 METHOD_NAMES = ("rtn", "awq", "gptq", "smoothquant", "fp8")
 RUNTIME_KEYS = {"device": str}  # not a setting of the method: passed to tokq.quantize as device=
+# Read by the gate only: target = "gate" asks for the smallest mix (the recipe's `mix`) that passes [gate.quality]
+# (tokq.mixed.gate_search), instead of a --target-kl or --max-size-ratio the user picks.
+GATE_KEYS = {"target": str}
+GATE_TARGETS = ("gate",)
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,26 @@ def _kind(annotation: str) -> type:
 def recipe_options() -> dict[str, RecipeOption]:
     """Recipe key -> option: every QuantizeSettings field, then the runtime keys."""
     options = {f.name: RecipeOption(f.name, _kind(f.type)) for f in fields(QuantizeSettings)}
-    options.update({key: RecipeOption(key, kind) for key, kind in RUNTIME_KEYS.items()})
+    options.update({key: RecipeOption(key, kind) for key, kind in (RUNTIME_KEYS | GATE_KEYS).items()})
     return options
 
 
 def split_recipe(recipe: dict) -> tuple[dict, dict]:
-    """(QuantizeSettings keys, runtime keys) of a checked recipe."""
-    return ({k: v for k, v in recipe.items() if k not in RUNTIME_KEYS},
+    """(QuantizeSettings keys, runtime keys) of a checked recipe; the gate's own keys (GATE_KEYS) are in neither."""
+    return ({k: v for k, v in recipe.items() if k not in RUNTIME_KEYS and k not in GATE_KEYS},
             {k: v for k, v in recipe.items() if k in RUNTIME_KEYS})
+
+
+def gate_target_problem(recipe: dict) -> str | None:
+    """What is wrong with a recipe's `target` key (None: nothing, or no target): it must be "gate", with a mix to
+    search over and no size goal of its own."""
+    if "target" not in recipe:
+        return None
+    if recipe["target"] not in GATE_TARGETS:
+        return (f"recipe target = {recipe['target']!r} is not a target; the one target is \"gate\" (the smallest "
+                "mix that passes [gate.quality])")
+    if not recipe.get("mix"):
+        return 'recipe target = "gate" searches over the formats of the recipe\'s mix: add mix = "w4a16,w8a16,bf16"'
+    if recipe.get("target_kl") is not None or recipe.get("max_size_ratio") is not None:
+        return 'recipe target = "gate" takes its size from [gate.quality]: drop target_kl / max_size_ratio'
+    return None

@@ -122,6 +122,12 @@ def gate_markdown(report: dict) -> str:
     lines += _speed_markdown(report)
     lines += _documents_markdown(report)
     for name, v in report["variants"].items():
+        if v.get("search"):
+            section = _search_section(name, v["search"], plot=False)
+            lines += ["", f"## Mixed-precision search: {name}", "", section["line"], "",
+                      "| frontier point | MiB | predicted KL | held-out KL [95% CI] | verdict |", "|---|---|---|---|---|",
+                      *("| " + " | ".join(row) + " |" for row in section["rows"])]
+    for name, v in report["variants"].items():
         lines += ["", "<details><summary>" + html.escape(name) + ": quality details</summary>", "",
                   compare_markdown(v["compare"]), "</details>"]
     return "\n".join(lines) + "\n"
@@ -159,6 +165,14 @@ metrics come from its own clock, stalls excluded (counted below).</p><table><tr>
 <img alt="speed ratios" src="{{ speed.ratios_plot }}">
 <img alt="decode step times" src="{{ speed.steps_plot }}">
 {% endif %}
+{% for s in searches %}
+<h2>Mixed-precision search: {{ s.name }}</h2>
+<p>{{ s.line }}</p>
+<img alt="size/quality frontier {{ s.name }}" src="{{ s.plot }}">
+<table><tr><th>frontier point</th><th>MiB</th><th>predicted KL</th><th>held-out KL [95% CI]</th><th>verdict</th></tr>
+{% for e in s.rows %}<tr>{% for cell in e %}<td>{{ cell }}</td>{% endfor %}</tr>
+{% endfor %}</table>
+{% endfor %}
 {% for p in probes %}
 <h2>Retrieval probes: {{ p.name }}</h2>
 <p>{{ p.line }}</p>
@@ -191,11 +205,32 @@ def gate_html(report: dict) -> str:
                "grid_base": plots.probe_grid(result["probes"], "a", "base"),
                "grid_variant": plots.probe_grid(result["probes"], "b", name)}
               for name, result in results.items() if result.get("probes")]
+    searches = [_search_section(name, v["search"]) for name, v in variants.items() if v.get("search")]
     # the context lines are Markdown: their code spans' backticks are dropped, their text escaped by the template
     return render_page(GATE_PAGE, css=css, verdict=verdict,
                        context=[line.replace("`", "") for line in _context_lines(report)], rules=rules,
                        kl_plot=kl_plot, top1_plot=top1_plot, documents_plot=documents_plot, speed=speed,
-                       speed_columns=[c[0] for c in SPEED_COLUMNS], probes=probes, version=report["tokq_version"])
+                       speed_columns=[c[0] for c in SPEED_COLUMNS], probes=probes, searches=searches,
+                       version=report["tokq_version"])
+
+
+def _search_section(name: str, search: dict, plot: bool = True) -> dict:
+    """A `target = "gate"` variant's search: the frontier plot and one row per build judged on held-out documents."""
+    frontier = search["frontier"]
+    rows = []
+    for e in search.get("evaluations", []):
+        point, kl = frontier[e["index"]], e.get("kl") or {}
+        shown = "n/a" if kl.get("value") is None else (
+            f"{kl['value']:.4f} [{_num(kl.get('low'))}, {_num(kl.get('high'))}]")
+        rows.append([point["label"], f"{point['bytes'] / 2**20:.2f}", f"{point['predicted_kl']:.4f}", shown,
+                     e["result"]])
+    docs = search.get("documents", {})
+    chosen = search.get("chosen")
+    line = (f"searched on {docs.get('choice', '?')} choice + {docs.get('held_out', '?')} held-out documents that the "
+            f"gate's windows ({docs.get('gate_windows', '?')} documents) do not use; chosen: "
+            + ("none passed" if chosen is None else frontier[chosen]["label"]) + (f". {search['note']}"
+                                                                                  if search.get("note") else ""))
+    return {"name": name, "line": line, "plot": plots.mix_frontier(search) if plot else None, "rows": rows}
 
 
 def _bucket_plot(report: dict, results: dict, metric: str, label: str) -> str:

@@ -141,3 +141,39 @@ def speed_ratios(rules_by_variant: dict[str, list[dict]]) -> str:
     ax.invert_yaxis()
     ax.grid(alpha=0.3, axis="x")
     return _data_uri(fig)
+
+
+@_plain_text
+def mix_frontier(search: dict) -> str:
+    """The gate's mixed-precision search: the knapsack frontier (bytes vs predicted KL, grey line), the uniform
+    schemes on it (squares), each build judged on the held-out documents (measured KL with its 95% interval,
+    coloured by the gate's verdict on it) and the chosen point (star)."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    mib = 2.0**20
+    frontier = search["frontier"]
+    ax.plot([p["bytes"] / mib for p in frontier], [max(p["predicted_kl"], 1e-6) for p in frontier], "-",
+            color="grey", lw=1, label="frontier (predicted KL)")
+    for fmt, p in search.get("uniform", {}).items():
+        ax.plot([p["bytes"] / mib], [max(p["predicted_kl"], 1e-6)], "s", color="black", ms=6)
+        ax.annotate(f"uniform {fmt}", (p["bytes"] / mib, max(p["predicted_kl"], 1e-6)), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    for e in search.get("evaluations", []):
+        point = frontier[e["index"]]
+        kl = e.get("kl") or {}
+        color = {"pass": "tab:green", "inconclusive": "tab:olive", "fail": "tab:red"}.get(e["result"], "tab:grey")
+        value = kl.get("value")
+        if value is None:
+            continue
+        x = point["bytes"] / mib
+        if kl.get("low") is not None and kl.get("high") is not None:
+            ax.plot([x, x], [max(kl["low"], 1e-6), max(kl["high"], 1e-6)], color=color, lw=3, alpha=0.6)
+        ax.plot([x], [max(value, 1e-6)], "o", color=color, ms=6)
+    if search.get("chosen") is not None:
+        p = frontier[search["chosen"]]
+        ax.plot([p["bytes"] / mib], [max(p["predicted_kl"], 1e-6)], "*", color="tab:blue", ms=14, label="chosen")
+    ax.set_yscale("log")
+    ax.set_xlabel("candidate Linear weights (MiB)")
+    ax.set_ylabel("mean KL (nats/token)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _data_uri(fig)
