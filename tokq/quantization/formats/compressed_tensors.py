@@ -21,6 +21,10 @@ Scales are written in the checkpoint dtype (as compressed-tensors does: the dtyp
 quantized in); pass `dtype=torch.float32` to keep tokq's fp32 scales bit-exact. Everything that is not
 quantized (embeddings, norms, lm_head, ignored layers, biases) is written in that dtype too.
 Bit widths 2 and 3 use the same dense packing (current compressed-tensors); vLLM runs 4 and 8 only.
+
+A mix (`quantization.layer_schemes.LayerSchemes`) is written as compressed-tensors' `mixed-precision` format:
+one config group per scheme used, each with its own `format` and its projections named one by one as
+targets (model.layers.3.self_attn.q_proj, ...); the Linears left 16-bit go to `ignore` with lm_head.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from tokq.errors import TokqError
 from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
 from tokq.outputs import CHECKPOINT, TOKENIZER_FILES
 from tokq.paths import atomic_directory
+from tokq.quantization.layer_schemes import LayerSchemes, candidate_linears
 from tokq.quantization.scheme import CHANNEL, QuantScheme
 
 log = logging.getLogger("tokq")
@@ -103,22 +108,40 @@ def _weight_args(scheme: QuantScheme) -> dict:
     }
 
 
-def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
-    """config.json's `quantization_config` for a scheme (one config group targeting every Linear)."""
-    group: dict = {"targets": ["Linear"], "weights": _weight_args(scheme), "input_activations": None,
+def _config_group(scheme: QuantScheme, targets: list[str]) -> dict:
+    group: dict = {"targets": targets, "weights": _weight_args(scheme), "input_activations": None,
                    "output_activations": None}
     if scheme.activations is not None:
         group["input_activations"] = {"num_bits": 8, "type": scheme.activations.kind, "symmetric": True,
                                       "strategy": "token", "group_size": None, "dynamic": True}
+    return group
+
+
+def quantization_config(scheme: QuantScheme | LayerSchemes, ignore: list[str],
+                        targets: dict[str, list[str]] | None = None) -> dict:
+    """config.json's `quantization_config`: one config group targeting every Linear for a scheme; for a mix, one
+    group per scheme used, with its own format, targeting the projections `targets` lists under its key."""
+    if isinstance(scheme, LayerSchemes):
+        used = scheme.used()
+        groups = {}
+        for i, key in enumerate(used):
+            groups[f"group_{i}"] = {**_config_group(scheme.schemes[key], (targets or {}).get(key, [])),
+                                    "format": compression_format(scheme.schemes[key])}
+        # Even when every group has the same format: each group's own `format` is what readers use, and the
+        # top-level name says that the config groups differ (compressed-tensors, vLLM and tokq all read it).
+        fmt = "mixed-precision"
+    else:
+        groups, fmt = {"group_0": _config_group(scheme, ["Linear"])}, compression_format(scheme)
     return {
-        "quant_method": "compressed-tensors", "format": compression_format(scheme),
-        "config_groups": {"group_0": group}, "ignore": ignore, "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors", "format": fmt,
+        "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None,
         "quantization_status": "compressed", "global_compression_ratio": None, "sparsity_config": {},
         "transform_config": {}, "version": COMPRESSED_TENSORS_VERSION,
     }
 
 
 def _check_matches(name: str, weight: QuantizedWeight, act: str | None, scheme: QuantScheme) -> None:
+    """Raise unless `weight` (and activations `act`) is quantized as `scheme` says: the config must describe it."""
     w = scheme.weights
     want_act = scheme.activations.name if scheme.activations else None
     if isinstance(weight, FP8Weight):
@@ -130,12 +153,30 @@ def _check_matches(name: str, weight: QuantizedWeight, act: str | None, scheme: 
               and (weight.zero is None) == w.symmetric)
     if not ok or act != want_act:
         raise TokqError(f"{name} is quantized differently from scheme {scheme.name}; the checkpoint's config would "
-                        "not describe it: quantize the whole model with one scheme")
+                        "not describe it: quantize the model with the scheme (or the layer schemes) you save it with")
 
 
-def checkpoint_tensors(model: CausalLM, scheme: QuantScheme, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """HF-named tensors of the model (quantized projections compressed) and the names of unquantized Linears."""
-    fmt = compression_format(scheme)
+def _layer_scheme(scheme: QuantScheme | LayerSchemes, module_name: str, quantized: bool) -> QuantScheme | None:
+    """The scheme module `module_name` is saved under; for a mix, checked against whether it is quantized."""
+    if not isinstance(scheme, LayerSchemes):
+        return scheme
+    own = scheme.for_layer(module_name)
+    if quantized and own is None:
+        raise TokqError(f"{module_name} is quantized but the layer schemes leave it 16-bit; save with the layer "
+                        "schemes the model was quantized with")
+    if own is not None and not quantized:
+        raise TokqError(f"{module_name} is 16-bit but the layer schemes assign it {own.name}; save with the layer "
+                        "schemes the model was quantized with")
+    return own
+
+
+def checkpoint_tensors(
+    model: CausalLM, scheme: QuantScheme | LayerSchemes, dtype: torch.dtype, targets: dict[str, list[str]] | None = None,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF-named tensors of the model (quantized projections compressed) and the names of unquantized Linears.
+
+    For a mix, `targets` (scheme key -> HF projection names) is filled with where each quantized projection went.
+    """
     tensors: dict[str, torch.Tensor] = {}
     dense_linears: list[str] = []
     tied = model.config.tie_word_embeddings
@@ -150,6 +191,7 @@ def checkpoint_tensors(model: CausalLM, scheme: QuantScheme, dtype: torch.dtype)
         prefix = f"{parent}." if parent else ""
         method = module.method
         quantized = isinstance(method, QuantizedLinearMethod)
+        own = _layer_scheme(scheme, module_name, quantized)
         if quantized and hasattr(method, "input_perm"):
             raise TokqError(f"{module_name} holds activation-ordered GPTQ weights (input permutation); compressed-tensors "
                             "has no layout for them: quantize the 16-bit model with tokq instead")
@@ -160,13 +202,15 @@ def checkpoint_tensors(model: CausalLM, scheme: QuantScheme, dtype: torch.dtype)
                 tensors[f"{name}.bias"] = module.bias.detach()[rows].to("cpu", dtype).contiguous()
             if quantized:
                 weight = method.weight
-                _check_matches(name, weight, method.act, scheme)
+                _check_matches(name, weight, method.act, own)
+                if targets is not None and isinstance(scheme, LayerSchemes):
+                    targets.setdefault(scheme.assignment[module_name], []).append(name)
                 if isinstance(weight, FP8Weight):
                     part = FP8Weight(weight.q[rows].cpu(), weight.scale[rows].cpu())
                 else:
                     zero = None if weight.zero is None else weight.zero[rows].cpu()
                     part = IntWeight(weight.q[rows].cpu(), weight.scale[rows].cpu(), zero, weight.bits, weight.group_size)
-                for suffix, t in compress_weight(part, fmt, dtype).items():
+                for suffix, t in compress_weight(part, compression_format(own), dtype).items():
                     tensors[f"{name}.{suffix}"] = t
             else:
                 dense_linears.append(name)
@@ -201,7 +245,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
 
 def save_quantized(
     model: CausalLM,
-    scheme: QuantScheme,
+    scheme: QuantScheme | LayerSchemes,
     out_dir: str | Path,
     *,
     source_dir: str | Path | None = None,
@@ -227,11 +271,17 @@ def save_quantized(
         raise TokqError(f"checkpoint dtype {dtype} is not supported: use bfloat16, float16 or float32")
     if not any(isinstance(m, QuantizedLinearMethod) for m in model.modules()):
         raise TokqError("the model has no quantized layers: run quantize_model before saving")
-    tensors, dense_linears = checkpoint_tensors(model, scheme, dtype)
+    if isinstance(scheme, LayerSchemes):
+        unknown = sorted(set(scheme.assignment) - set(candidate_linears(model)))
+        if unknown:
+            raise TokqError(f"the layer schemes assign {', '.join(unknown[:3])}, not a decoder Linear of this model; "
+                            "save with the layer schemes the model was quantized with")
+    targets: dict[str, list[str]] = {}
+    tensors, dense_linears = checkpoint_tensors(model, scheme, dtype, targets)
     ignore = ["lm_head"] + [n for n in dense_linears if n != "lm_head"]
     raw.pop("quantization_config", None)
     raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
-    raw["quantization_config"] = quantization_config(scheme, ignore)
+    raw["quantization_config"] = quantization_config(scheme, ignore, targets)
     with atomic_directory(out_dir, CHECKPOINT, "tokq quantize") as tmp:
         _write_safetensors(tensors, tmp)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -241,7 +291,11 @@ def save_quantized(
                     shutil.copy2(Path(source_dir) / fname, tmp / fname)
         else:
             log.warning("no source checkpoint given: %s gets no tokenizer files", out_dir)
-        record = {"tokq_version": TOKQ_VERSION, "scheme": scheme.to_json(), "format": compression_format(scheme),
-                  **(provenance or {})}
+        if isinstance(scheme, LayerSchemes):
+            mixed = {"scheme": {"name": scheme.name, "schemes": {k: scheme.schemes[k].name for k in scheme.used()}},
+                     "format": "mixed-precision", "layer_schemes": scheme.to_json()}
+        else:
+            mixed = {"scheme": scheme.to_json(), "format": compression_format(scheme)}
+        record = {"tokq_version": TOKQ_VERSION, **mixed, **(provenance or {})}
         (tmp / "tokq_quantization.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
     return out_dir

@@ -11,6 +11,9 @@ Per block:
    weight range that minimises ||X W^T - X Q(W)^T||; q/k rows are left unclipped (attention
    scores, not the projection, are what matters for them).
 4. Quantize with the chosen clip and install the quantized linears.
+
+In a mix (`LayerSchemes`) each linear is searched and quantized with its own scheme, and a mapping whose
+linear stays 16-bit is skipped (no scales folded: there is no rounding to protect it from).
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import torch
 
 from tokq.engine.layers import Linear
 from tokq.quantization.calibration import BlockContext
+from tokq.quantization.layer_schemes import LayerSchemes
 from tokq.quantization.mappings import block_mappings, fold_scales_
 from tokq.quantization.methods.block_ops import (
     block_linears,
     capture_block_inputs,
     install_,
+    layer_scheme,
     quantize_weight,
 )
 from tokq.quantization.methods.options import MethodOptions
@@ -96,21 +101,23 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, args: WeightArgs, grid: int, r
     return best_ratio
 
 
-def quantize_block(ctx: BlockContext, scheme: QuantScheme, options: MethodOptions) -> dict:
-    args = scheme.weights
+def quantize_block(ctx: BlockContext, scheme: QuantScheme | LayerSchemes, options: MethodOptions) -> dict:
     linears = block_linears(ctx, scheme)
+    # Each Linear's own weight arguments (one scheme, or its own in a mix): the scale and clip searches
+    # fake-quantize the linear being scaled with them.
+    weight_args = {name: layer_scheme(scheme, ctx, name).weights for name in linears}
     for name, lin in linears.items():
-        if args.kind == "int":
-            args.check_divides(lin.in_features, f"model.layers.{ctx.index}.{name}")
+        if weight_args[name].kind == "int":
+            weight_args[name].check_divides(lin.in_features, f"model.layers.{ctx.index}.{name}")
     stats: dict = {}
     inputs = capture_block_inputs(ctx, linears, samples=options.awq_search_samples)
     for mapping in block_mappings(ctx.block):
-        if mapping.linear not in linears:
+        if mapping.linear not in linears:  # ignored, or left 16-bit in a mix: nothing to protect
             continue
         linear = linears[mapping.linear]
         inspect = ctx.block.get_submodule(mapping.inspect) if mapping.inspect else linear
         scales, info = search_scales(ctx, linear, inputs[mapping.linear], inspect, mapping.inspect == "self_attn",
-                                     args, options.awq_grid)
+                                     weight_args[mapping.linear], options.awq_grid)
         fold_scales_(ctx.block, mapping, scales)
         stats[mapping.name] = info
     # Inputs after folding (X / s): what the clipping search must see.
@@ -118,6 +125,7 @@ def quantize_block(ctx: BlockContext, scheme: QuantScheme, options: MethodOption
     weights = {}
     for name, lin in linears.items():
         clip = 1.0
+        args = weight_args[name]
         if args.kind == "int":
             x = inputs[name].reshape(-1, lin.in_features)
             step = max(1, x.shape[0] // options.awq_clip_tokens)
@@ -126,6 +134,7 @@ def quantize_block(ctx: BlockContext, scheme: QuantScheme, options: MethodOption
                 if shard.name in ("q_proj", "k_proj"):
                     clip[shard.offset : shard.offset + shard.size] = 1.0
             stats[f"{name}.mean_clip"] = float(clip.mean())
-        weights[name] = quantize_weight(lin.weight, scheme, f"model.layers.{ctx.index}.{name}", clip)
+        weights[name] = quantize_weight(lin.weight, layer_scheme(scheme, ctx, name), f"model.layers.{ctx.index}.{name}",
+                                        clip)
     install_(ctx, scheme, weights)
     return stats
