@@ -277,7 +277,7 @@ def _from_recipe(project, name: str, recipe: dict, target: Path, threads: int | 
         if searched:
             from tokq.api.gate_search import build_for_gate
 
-            build_for_gate(project, name, {**recipe, **({"calib": settings["calib"]} if "calib" in settings else {})},
+            build_for_gate(base, name, {**recipe, **({"calib": settings["calib"]} if "calib" in settings else {})},
                            target, data_set, compare_settings, runtime, wanted, force=recorded is not None,
                            threads=threads, device=runtime_keys.get("device", "auto"))
             return target

@@ -33,12 +33,11 @@ def _write_documents(documents, folder: Path) -> Path:
     return folder
 
 
-def build_for_gate(project, name: str, recipe: dict, target: Path, data_set, compare_settings, runtime,
+def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, compare_settings, runtime,
                    recipe_sha256: str, force: bool, threads: int | None, device: str) -> dict:
     """Search, then build the chosen mix into `target`; returns the search record (also in tokq_quantization.json)."""
     from tokq.api.compare import data_set_settings, run_compare_settings
     from tokq.api.compare_windows import document_windows
-    from tokq.api.gate import base_checkpoint
     from tokq.api.quantize import run_quantize
     from tokq.engine.tokenizer import load_tokenizer
     from tokq.longctx.read_limits import read_limits
@@ -62,7 +61,6 @@ def build_for_gate(project, name: str, recipe: dict, target: Path, data_set, com
     problem = gate_target_problem(recipe)  # tokq.toml was checked on load; a recipe from Python may not be
     if problem:
         raise ConfigError(problem)
-    base = base_checkpoint(project)
     folder, _keys = data_set_settings(data_set)
     s = compare_settings
     tokenizer = load_tokenizer(base)
