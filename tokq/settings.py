@@ -33,6 +33,12 @@ class QuantizeSettings:
     max_file_mb: float = DEFAULT_MAX_FILE_MB
     save_dtype: str = "auto"
     seed: int = 0
+    # mixed precision (tokq.api.quantize_mix): formats to choose from per Linear, e.g. "w4a16,w8a16,bf16", and
+    # exactly one goal: the smallest build whose held-out KL bound meets target_kl, or the least KL within
+    # max_size_ratio x the model's 16-bit size
+    mix: str | None = None
+    target_kl: float | None = None
+    max_size_ratio: float | None = None
 
 
 @dataclass

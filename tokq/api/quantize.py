@@ -25,6 +25,7 @@ from rich.progress import (
 )
 
 from tokq import __version__
+from tokq.api.quantize_mix import check_mix_settings
 from tokq.errors import ConfigError
 from tokq.settings import QuantizeSettings, settings_from
 
@@ -118,6 +119,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")
     if s.act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
+    check_mix_settings(s)  # before parse_alpha: --alpha with --mix is refused as a mix error
     alpha_given, alpha_value = parse_alpha(s.alpha, method)
     limits = read_limits(s.max_doc_mb, s.max_file_mb)
     if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
@@ -134,18 +136,20 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         runtime = setup_runtime(threads, device, s.seed)
         checkpoint = resolve_model(model)
         config = read_config(checkpoint)
-        resolved, notes = resolve_scheme(method, config, s.scheme, s.bits, s.group_size, s.sym)
+        # a mix resolves each of its formats (quantize_mix); the default scheme only names the run until then
+        resolved, notes = resolve_scheme(method, config, s.scheme, s.bits, s.group_size, s.sym) if s.mix is None \
+            else (None, [])
         for note in notes:
             console.print(f"[yellow]note:[/] {note}")
         dtype = None if s.save_dtype == "auto" else parse_dtype(s.save_dtype)
         calibration = None
         # fp8 with alpha: SmoothQuant's migration first, then the same FP8 quantization of weights and activations.
         run_method = "smoothquant" if method == "fp8" and alpha_given else method
-        if run_method != method and resolved.activations is None:
+        if run_method != method and resolved is not None and resolved.activations is None:
             raise ConfigError(f"--alpha smooths activation outliers before FP8 W8A8; scheme {resolved.name} keeps "
                               "activations in 16-bit, so there is nothing to smooth")
         calib = s.calib
-        if run_method in NEEDS_CALIBRATION:
+        if run_method in NEEDS_CALIBRATION and s.mix is None:  # a mix calibrates on its choice documents
             if calib is None:
                 calib = data_dir() / "default"
                 if not calib.is_dir():
@@ -157,7 +161,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                                 f"({config.max_position_embeddings} tokens)")
             calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), s.num_samples,
                                               s.seq_len, s.seed, limits)
-        elif calib is not None:
+        elif calib is not None and s.mix is None:
             console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
 
         options = MethodOptions(damp=s.damp)
@@ -171,27 +175,41 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         blocks = len(lm.model.layers)
         calib_desc = (f"{calibration.num_samples} x {calibration.seq_len} tokens from {calibration.source}"
                       if calibration else "none")
-        console.print(f"quantizing {model} with {method} ({resolved.name}); calibration: {calib_desc}; "
-                      f"{runtime.device}, {runtime.threads} threads")
-        columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TimeRemainingColumn())
-        with Progress(*columns, console=console, transient=False) as progress:
-            task = progress.add_task("blocks", total=blocks)
-            run = quantize_model(lm, run_method, resolved, calibration, options,
-                                 on_block=lambda _i: progress.advance(task))
-        started_save = time.perf_counter()
         provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
-                      "result": run.to_json(), "runtime": runtime.to_json()}
+                      "runtime": runtime.to_json()}
         if recipe_sha256 is not None:
             provenance["recipe_sha256"] = recipe_sha256  # in tokq_quantization.json, inside the atomic write
-        save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
-        save_seconds = time.perf_counter() - started_save
+        if s.mix is not None:
+            from tokq.api.quantize_mix import quantize_mixed
+
+            console.print(f"quantizing {model} with {method}, a format per Linear from --mix {s.mix}; "
+                          f"{runtime.device}, {runtime.threads} threads")
+            mixed = quantize_mixed(lm, model=model, checkpoint=checkpoint, config=config, out=out, s=s,
+                                   run_method=run_method, options=options, limits=limits, dtype=dtype,
+                                   provenance=provenance)
+            run, scheme_name, provenance, save_seconds = (mixed.run, mixed.scheme_name, mixed.provenance,
+                                                          mixed.write_seconds)
+            notes = notes + mixed.notes
+        else:
+            console.print(f"quantizing {model} with {method} ({resolved.name}); calibration: {calib_desc}; "
+                          f"{runtime.device}, {runtime.threads} threads")
+            columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       TimeRemainingColumn())
+            with Progress(*columns, console=console, transient=False) as progress:
+                task = progress.add_task("blocks", total=blocks)
+                run = quantize_model(lm, run_method, resolved, calibration, options,
+                                     on_block=lambda _i: progress.advance(task))
+            started_save = time.perf_counter()
+            provenance["result"] = run.to_json()
+            save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
+            save_seconds = time.perf_counter() - started_save
+            scheme_name = resolved.name
         peak_gpu = None
         if str(runtime.device).startswith("cuda"):
             import torch
 
             peak_gpu = torch.cuda.max_memory_allocated(runtime.device)
-        result = QuantizeResult(model=model, checkpoint=out, source_checkpoint=checkpoint, scheme=resolved.name,
+        result = QuantizeResult(model=model, checkpoint=out, source_checkpoint=checkpoint, scheme=scheme_name,
                                 run=run, seconds=run.seconds, write_seconds=save_seconds,
                                 peak_rss_mib=run.peak_rss_mib, size_bytes=_dir_bytes(out),
                                 dense_16bit_bytes=dense_bytes, peak_gpu_bytes=peak_gpu, provenance=provenance,

@@ -62,6 +62,19 @@ def quantize_cmd(
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]: where blocks are quantized."),
     seed: int = typer.Option(0, "--seed", help="Seed for drawing calibration windows (recorded)."),
+    mix: str = typer.Option(
+        None, "--mix",
+        help="Choose a format per Linear from these (e.g. w4a16,w8a16,bf16) by measured sensitivity, verified on "
+        "held-out documents of --calib; needs --target-kl or --max-size-ratio.",
+    ),
+    target_kl: float = typer.Option(
+        None, "--target-kl",
+        help="--mix: the smallest build whose held-out mean KL (its 95% upper bound) is at most this (nats).",
+    ),
+    max_size_ratio: float = typer.Option(
+        None, "--max-size-ratio",
+        help="--mix: the lowest-KL build whose tensors take at most this fraction of the model's 16-bit size.",
+    ),
     recipe_sha256: str = typer.Option(None, "--recipe-sha256", hidden=True,
                                       help="tokq gate: the hash of the recipe this build follows (recorded)."),
 ) -> None:
@@ -74,7 +87,8 @@ def quantize_cmd(
     settings = QuantizeSettings(method=method, scheme=scheme, bits=bits, group_size=group_size, sym=sym,
                                 act_order=act_order, damp=damp, alpha=alpha, calib=calib, num_samples=num_samples,
                                 seq_len=seq_len, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb,
-                                save_dtype=save_dtype, seed=seed)
+                                save_dtype=save_dtype, seed=seed, mix=mix, target_kl=target_kl,
+                                max_size_ratio=max_size_ratio)
     result = run_quantize(model, out, settings, force=force, name=name, recipe_sha256=recipe_sha256,
                           threads=threads, device=device)
     _print_summary(result)

@@ -55,17 +55,19 @@ class CalibrationSet:
 
 
 def calibration_samples(
-    data: Path, tokenizer, add_bos: bool, num_samples: int, seq_len: int, seed: int = 0, limits=None
+    data: Path, tokenizer, add_bos: bool, num_samples: int, seq_len: int, seed: int = 0, limits=None,
+    documents=None,
 ) -> CalibrationSet:
     """Draw `num_samples` full windows of `seq_len` tokens from the documents under `data` (read within
-    `limits`, a read_limits.ReadLimits: default caps when None)."""
+    `limits`, a read_limits.ReadLimits: default caps when None), or from `documents` (a DocumentSet already
+    read from `data`: `quantize --mix` calibrates on its choice documents only)."""
     from tokq.longctx.documents import load_documents
     from tokq.longctx.text_encoding import as_text_encoder
     from tokq.longctx.windows import build_windows
 
     if num_samples < 1 or seq_len < 16:
         raise DataError(f"calibration needs at least 1 sample of at least 16 tokens (got {num_samples} x {seq_len})")
-    docs = load_documents(data, limits=limits)
+    docs = load_documents(data, limits=limits) if documents is None else documents
     windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), seq_len, add_bos=add_bos,
                             min_window_tokens=seq_len - int(add_bos))
     full = [w for w in windows.windows if len(w.tokens) == seq_len]
