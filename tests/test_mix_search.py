@@ -298,3 +298,8 @@ def test_target_kl_search_and_nothing_left_on_failure(capsys, tmp_path, tiny):
                            "--mix", "w4a16,w8a16", "--target-kl", "1e-12")
     assert code == 2 and "no build in" in text, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # a budget so generous that every Linear stays 16-bit is not a quantized checkpoint: refused, nothing left
+    code, text = _quantize(capsys, checkpoint, out2, "--method", "rtn", "--calib", docs, "--save-dtype", "bf16",
+                           "--mix", "w4a16,bf16", "--max-size-ratio", "1.0")
+    assert code == 2 and "every Linear at 16 bits" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

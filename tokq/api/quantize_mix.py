@@ -114,7 +114,13 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
     from tokq.paths import atomic_directory, data_dir
     from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.formats.compressed_tensors import save_quantized
-    from tokq.quantization.layer_schemes import LayerSchemes, candidate_linears, linear_bytes, parse_mix
+    from tokq.quantization.layer_schemes import (
+        DENSE,
+        LayerSchemes,
+        candidate_linears,
+        linear_bytes,
+        parse_mix,
+    )
     from tokq.quantization.pipeline import NEEDS_CALIBRATION, quantize_model
 
     formats = parse_mix(s.mix, provenance["method"], config)
@@ -173,6 +179,11 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
     verified: dict[Path, dict] = {}
 
     def build(assignment: dict[str, str], index: int) -> Path:
+        if all(fmt == DENSE for fmt in assignment.values()):  # nothing to quantize: not a checkpoint to write
+            goal = (f"--target-kl {s.target_kl:g}" if s.target_kl is not None
+                    else f"--max-size-ratio {s.max_size_ratio:g}")
+            raise ConfigError(f"{goal} leaves every Linear at 16 bits (the model as it is): "
+                              + ("raise the target" if s.target_kl is not None else "give a smaller ratio"))
         layer_schemes = LayerSchemes(schemes, assignment)
         candidate = copy.deepcopy(lm)
         run = quantize_model(candidate, run_method, layer_schemes, calibration, options)
