@@ -14,6 +14,7 @@ from tokq.mixed.gate_search import (
     first_guess,
     frontier_points,
     search_documents,
+    thin_by_kl,
     tightest_max_kl,
 )
 
@@ -75,3 +76,9 @@ def test_inconclusive_counts_as_not_passing():
     ps = points(4)
     best, _ = bisect_smallest_passing(ps, lambda i: Evaluation(i, "inconclusive", 0, [], None), 1)
     assert best is None
+
+
+def test_thinning_keeps_points_whose_predicted_kl_moves():
+    ps = frontier_points([(100, 1.0, {}), (200, 0.99, {}), (300, 0.5, {}), (400, 1e-4, {}), (450, 1e-5, {}),
+                          (500, 0.0, {})])
+    assert [p.bytes for p in thin_by_kl(ps)] == [100, 300, 400]  # below 0.001 x the smallest's KL: not moving

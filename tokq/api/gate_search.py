@@ -22,7 +22,7 @@ from tokq.errors import ConfigError
 
 console = Console(stderr=True)
 
-FRONTIER_POINTS = 16
+FRONTIER_POINTS = 64  # asked of the knapsack; thinned to points whose predicted KL differs
 
 
 def _write_documents(documents, folder: Path) -> Path:
@@ -49,11 +49,13 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
         first_guess,
         frontier_points,
         search_documents,
+        thin_by_kl,
         tightest_max_kl,
     )
     from tokq.mixed.knapsack import frontier
     from tokq.mixed.search import calibrate
     from tokq.mixed.splits import split_documents
+    from tokq.quantization.layer_schemes import DENSE
     from tokq.quantization.recipe import gate_target_problem, split_recipe
     from tokq.settings import QuantizeSettings
 
@@ -76,12 +78,14 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
     try:
         choice_dir = _write_documents(choice, scratch / "choice")
         held_dir = _write_documents(held_out, scratch / "held_out")
-        base_settings = QuantizeSettings(**{**settings_keys, "calib": choice_dir, "mix": None})
-        sensitivity = _sensitivity(str(base), choice_dir, settings_keys["mix"], base_settings, runtime)
-        scaled, _low, calibration = calibrate(sensitivity.linear_costs(), sensitivity.bytes,
-                                              {f: e["kl"].value for f, e in sensitivity.all_quantized.items()})
-        points = frontier_points(frontier(scaled, sensitivity.bytes, FRONTIER_POINTS))
-        uniform = _uniform_points(points, sensitivity.bytes, scaled)
+        base_settings = QuantizeSettings(**{**settings_keys, "calib": choice_dir})
+        sensitivity, costs, sizes, all_quantized = _measure(base, choice, settings_keys["mix"], base_settings,
+                                                            folder, runtime)
+        scaled, _low, calibration = calibrate(costs, sizes, all_quantized)
+        # a point with every Linear at 16 bits is the base itself, not a quantized build
+        points = thin_by_kl([p for p in frontier_points(frontier(scaled, sizes, FRONTIER_POINTS))
+                             if any(fmt != DENSE for fmt in p.assignment.values())])
+        uniform = _uniform_points(sizes, scaled)
         record = GateSearch({"gate_windows": len(gate_docs), "choice": len(choice), "held_out": len(held_out)},
                             points, uniform)
         search_settings = replace(s, use_cache=True)
@@ -117,13 +121,36 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _sensitivity(base: str, choice_dir: Path, mix: str, settings, runtime):
-    from tokq.api.sensitivity import run_sensitivity
+def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime):
+    """(SensitivityResult, costs, sizes, all-quantized KL) of the mix's formats on windows of the choice documents:
+    what `tokq quantize --mix` measures (api.quantize_mix), on the fp32 base."""
+    from tokq.api.quantize_mix import (
+        MIX_WINDOW,
+        SENSITIVITY_WINDOWS,
+        mix_costs,
+        mix_sizes,
+        mix_windows,
+        written_itemsize,
+    )
+    from tokq.dtypes import parse_dtype
+    from tokq.engine.checkpoint import load_model
+    from tokq.engine.config import read_config
+    from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.quantization.layer_schemes import parse_mix
 
-    return run_sensitivity(base, data=choice_dir, mix=mix, method=settings.method, runtime=runtime)
+    config = read_config(base)
+    formats = parse_mix(mix, settings.method, config)
+    tokenizer = load_tokenizer(base)
+    window = min(settings.seq_len, MIX_WINDOW, config.max_position_embeddings)
+    windows = mix_windows(choice, tokenizer, model_adds_bos(tokenizer), window, SENSITIVITY_WINDOWS, "choice", folder)
+    lm = load_model(base, dtype="fp32", device=runtime.device)
+    sens, costs, all_quantized = mix_costs(lm, windows, formats, settings.seed)
+    dtype = None if settings.save_dtype == "auto" else parse_dtype(settings.save_dtype)
+    sizes = mix_sizes(lm, formats, written_itemsize(config, dtype))
+    return sens, costs, sizes, all_quantized
 
 
-def _uniform_points(points, sizes, costs):
+def _uniform_points(sizes, costs):
     """format -> the all-that-format point (bytes, predicted KL) for the report, formats every Linear has."""
     from tokq.mixed.gate_search import FrontierPoint
 

@@ -96,8 +96,14 @@ def quantize(model: str | Path, *, method: str, out: str | Path, scheme: str | N
 
 
 def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = False, name: str | None = None,
-                 recipe_sha256: str | None = None, threads: int | None = None, device: str = "auto") -> QuantizeResult:
-    """`quantize` on a settings object (the CLI and the gate build one); prints progress and notes only."""
+                 recipe_sha256: str | None = None, threads: int | None = None, device: str = "auto",
+                 layer_assignment: dict[str, str] | None = None,
+                 extra_provenance: dict | None = None) -> QuantizeResult:
+    """`quantize` on a settings object (the CLI and the gate build one); prints progress and notes only.
+
+    `layer_assignment` (with `s.mix`): the format of every decoder Linear is given (the gate's search chose it), so
+    the build is one quantization calibrated on `s.calib`, with no search of its own. `extra_provenance` is added
+    to tokq_quantization.json."""
     from tokq.config_edit import check_recordable, check_variant_name, record_variant, variants_file
     from tokq.dtypes import parse_dtype
     from tokq.engine.checkpoint import load_model
@@ -119,7 +125,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")
     if s.act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
-    check_mix_settings(s)  # before parse_alpha: --alpha with --mix is refused as a mix error
+    check_mix_settings(s, chosen=layer_assignment is not None)  # before parse_alpha: --alpha with --mix is refused as a mix error
     alpha_given, alpha_value = parse_alpha(s.alpha, method)
     limits = read_limits(s.max_doc_mb, s.max_file_mb)
     if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
@@ -137,8 +143,9 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         checkpoint = resolve_model(model)
         config = read_config(checkpoint)
         # a mix resolves each of its formats (quantize_mix); the default scheme only names the run until then
+        searched = s.mix is not None and layer_assignment is None  # quantize_mix chooses, builds and verifies
         resolved, notes = resolve_scheme(method, config, s.scheme, s.bits, s.group_size, s.sym) if s.mix is None \
-            else (None, [])
+            else (_chosen_mix(s.mix, method, config, layer_assignment) if layer_assignment is not None else None, [])
         for note in notes:
             console.print(f"[yellow]note:[/] {note}")
         dtype = None if s.save_dtype == "auto" else parse_dtype(s.save_dtype)
@@ -149,7 +156,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             raise ConfigError(f"--alpha smooths activation outliers before FP8 W8A8; scheme {resolved.name} keeps "
                               "activations in 16-bit, so there is nothing to smooth")
         calib = s.calib
-        if run_method in NEEDS_CALIBRATION and s.mix is None:  # a mix calibrates on its choice documents
+        if run_method in NEEDS_CALIBRATION and not searched:  # a search calibrates on its choice documents
             if calib is None:
                 calib = data_dir() / "default"
                 if not calib.is_dir():
@@ -161,7 +168,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                                 f"({config.max_position_embeddings} tokens)")
             calibration = calibration_samples(calib, tokenizer, model_adds_bos(tokenizer), s.num_samples,
                                               s.seq_len, s.seed, limits)
-        elif calib is not None and s.mix is None:
+        elif calib is not None and not searched:
             console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
 
         options = MethodOptions(damp=s.damp)
@@ -179,7 +186,8 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                       "runtime": runtime.to_json()}
         if recipe_sha256 is not None:
             provenance["recipe_sha256"] = recipe_sha256  # in tokq_quantization.json, inside the atomic write
-        if s.mix is not None:
+        provenance.update(extra_provenance or {})
+        if searched:
             from tokq.api.quantize_mix import quantize_mixed
 
             console.print(f"quantizing {model} with {method}, a format per Linear from --mix {s.mix}; "
@@ -203,7 +211,8 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             provenance["result"] = run.to_json()
             save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
             save_seconds = time.perf_counter() - started_save
-            scheme_name = resolved.name
+            scheme_name = resolved.name if s.mix is None else "mixed (" + ", ".join(
+                f"{k} x{n}" for k, n in resolved.counts().items() if n) + ")"
         peak_gpu = None
         if str(runtime.device).startswith("cuda"):
             import torch
@@ -218,6 +227,14 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
             result.variant, result.recorded_in = name, record_variant(name, out, {})
         return result
+
+
+def _chosen_mix(mix: str, method: str, config, assignment: dict[str, str]):
+    """The LayerSchemes of a mix whose format per Linear is already chosen (`layer_assignment`)."""
+    from tokq.quantization.layer_schemes import LayerSchemes, parse_mix
+
+    formats = parse_mix(mix, method, config)
+    return LayerSchemes({k: v for k, v in formats.items() if v is not None}, dict(assignment))
 
 
 def _dir_bytes(path: Path) -> int:

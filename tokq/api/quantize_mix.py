@@ -43,8 +43,9 @@ HELD_OUT_FRACTION = 0.5
 MAX_ROUNDS = 3
 
 
-def check_mix_settings(s) -> None:
-    """The cheap checks of the --mix flags (QuantizeSettings `s`), before anything is loaded."""
+def check_mix_settings(s, chosen: bool = False) -> None:
+    """The cheap checks of the --mix flags (QuantizeSettings `s`), before anything is loaded. `chosen`: the format
+    of every Linear is given (the gate's search), so the mix needs no goal."""
     goals = [flag for flag, value in (("--target-kl", s.target_kl), ("--max-size-ratio", s.max_size_ratio))
              if value is not None]
     if s.mix is None:
@@ -52,7 +53,10 @@ def check_mix_settings(s) -> None:
             raise ConfigError(f"{goals[0]} is a goal of a mixed-precision build: add --mix with the formats to "
                               "choose from (e.g. --mix w4a16,w8a16,bf16)")
         return
-    if len(goals) != 1:
+    if chosen:
+        if goals:
+            raise ConfigError(f"{goals[0]}: the format of every Linear is already chosen; drop the goal")
+    elif len(goals) != 1:
         given = " and ".join(goals) if goals else "neither"
         raise ConfigError(f"--mix needs exactly one goal, --target-kl X (the smallest build whose held-out KL "
                           f"meets X) or --max-size-ratio R (the lowest-KL build within R x the 16-bit size); "
@@ -84,7 +88,7 @@ class MixedBuild:
         return f"mixed ({counts})"
 
 
-def _windows(documents, tokenizer, add_bos: bool, window: int, count: int, side: str, data: Path):
+def mix_windows(documents, tokenizer, add_bos: bool, window: int, count: int, side: str, data: Path):
     from tokq.longctx.text_encoding import as_text_encoder
     from tokq.longctx.windows import build_windows
     from tokq.mixed.verify import spread_windows
@@ -96,18 +100,51 @@ def _windows(documents, tokenizer, add_bos: bool, window: int, count: int, side:
     return picked
 
 
+def written_itemsize(config, dtype) -> int:
+    """Bytes per value of the 16-bit (or fp32) tensors save_quantized writes: `dtype`, else the source's dtype."""
+    import torch
+
+    from tokq.dtypes import HF_DTYPES
+
+    return (dtype or HF_DTYPES.get(str(config.raw.get("dtype") or config.raw.get("torch_dtype")),
+                                   torch.bfloat16)).itemsize
+
+
+def mix_sizes(lm, formats: dict, item: int) -> dict[str, dict[str, int]]:
+    """Linear -> format -> bytes written, at `item` bytes per 16-bit value, so a byte budget holds on what is
+    written even for an fp32 source."""
+    from tokq.quantization.layer_schemes import candidate_linears, linear_bytes
+
+    sizes = {}
+    for name in candidate_linears(lm):
+        m = lm.get_submodule(name)
+        sizes[name] = {f: linear_bytes(m.out_features, m.in_features, formats[f], dense_bytes=item,
+                                       shards=[sh.size for sh in m.shards]) for f in formats}
+    return sizes
+
+
+def mix_costs(lm, choice_windows, formats: dict, seed: int, on_step=None):
+    """(SensitivityResult, Linear -> format -> KL alone, format -> KL with every Linear at it): RTN
+    fake-quantization of the fp32 model `lm` on the choice windows (mixed.sensitivity), the formats of the mix."""
+    from tokq.mixed.sensitivity import measure_sensitivity
+
+    schemes = {k: v for k, v in formats.items() if v is not None}
+    sens = measure_sensitivity(lm, choice_windows, schemes, wide_gain=False, blocks=False, on_step=on_step,
+                               seed=seed)
+    costs = {u: {f: c for f, c in per.items() if f in formats} for u, per in sens.linear_costs().items()}
+    return sens, costs, {f: est["kl"].value for f, est in sens.all_quantized.items()}
+
+
 def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, run_method: str, options, limits,
                    dtype, provenance: dict) -> MixedBuild:
     """Choose, build, verify and write the mix (module docstring). `lm` is the dense fp32 model; it is not
     changed (each round quantizes a copy). `provenance` is what tokq_quantization.json records besides."""
     import torch
 
-    from tokq.dtypes import HF_DTYPES
     from tokq.engine.checkpoint import load_model
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
     from tokq.longctx.documents import DocumentSet, load_documents
     from tokq.mixed.search import search_mix, size_budget
-    from tokq.mixed.sensitivity import measure_sensitivity
     from tokq.mixed.splits import split_documents
     from tokq.mixed.verify import HeldOutKL
     from tokq.outputs import CHECKPOINT, MARKER
@@ -117,8 +154,6 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
     from tokq.quantization.layer_schemes import (
         DENSE,
         LayerSchemes,
-        candidate_linears,
-        linear_bytes,
         parse_mix,
     )
     from tokq.quantization.pipeline import NEEDS_CALIBRATION, quantize_model
@@ -134,22 +169,15 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
     tokenizer = load_tokenizer(checkpoint)
     add_bos = model_adds_bos(tokenizer)
     window = min(s.seq_len, MIX_WINDOW, config.max_position_embeddings)
-    choice_windows = _windows(choice, tokenizer, add_bos, window, SENSITIVITY_WINDOWS, "choice", data)
-    held_windows = _windows(held_out, tokenizer, add_bos, window, VERIFY_WINDOWS, "held-out", data)
+    choice_windows = mix_windows(choice, tokenizer, add_bos, window, SENSITIVITY_WINDOWS, "choice", data)
+    held_windows = mix_windows(held_out, tokenizer, add_bos, window, VERIFY_WINDOWS, "held-out", data)
     calibration = None
     if run_method in NEEDS_CALIBRATION:  # calibrated on the choice documents only: nothing tuned on held-out
         calibration = calibration_samples(data, tokenizer, add_bos, s.num_samples, s.seq_len, s.seed, limits,
                                           documents=DocumentSet(docs.root, choice))
 
-    # Sizes at the dtype the checkpoint is written in (save_quantized's choice: the source's for "auto"), so
-    # the byte budget holds on what is written even for an fp32 source; 2 bytes a value for a 16-bit one.
-    item = (dtype or HF_DTYPES.get(str(config.raw.get("dtype") or config.raw.get("torch_dtype")),
-                                   torch.bfloat16)).itemsize
-    sizes = {}
-    for name in candidate_linears(lm):
-        m = lm.get_submodule(name)
-        sizes[name] = {f: linear_bytes(m.out_features, m.in_features, formats[f], dense_bytes=item,
-                                       shards=[sh.size for sh in m.shards]) for f in formats}
+    item = written_itemsize(config, dtype)
+    sizes = mix_sizes(lm, formats, item)
     params = {id(p): p for p in lm.parameters()}.values()
     dense_16bit = 2 * sum(p.numel() for p in params)
     max_bytes, size_desc = None, {}
@@ -167,10 +195,7 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
             last[0] = time.perf_counter()
             console.print(f"  sensitivity {done}/{total}: {label}")
 
-    sens = measure_sensitivity(lm, choice_windows, schemes, wide_gain=False, blocks=False, on_step=on_step,
-                               seed=s.seed)
-    costs = {u: {f: c for f, c in per.items() if f in formats} for u, per in sens.linear_costs().items()}
-    all_quantized = {f: est["kl"].value for f, est in sens.all_quantized.items()}
+    sens, costs, all_quantized = mix_costs(lm, choice_windows, formats, s.seed, on_step)
     notes: list[str] = []
 
     heldout = HeldOutKL(lm, held_windows, seed=s.seed)

@@ -97,6 +97,18 @@ def frontier_points(frontier: Sequence[tuple[int, float, dict[str, str]]]) -> li
     return points
 
 
+def thin_by_kl(points: Sequence[FrontierPoint], relative: float = 0.05, floor: float = 1e-3) -> list[FrontierPoint]:
+    """Keep a point (smallest first) only when its predicted KL is below the last kept one's by more than `relative`
+    of it and more than `floor` x the smallest build's: a byte-spaced frontier spends most of its points where the KL
+    no longer moves (between all-int8 and all-16-bit), and each judged point costs a build and a compare."""
+    kept: list[FrontierPoint] = []
+    for p in points:
+        if not kept or kept[-1].predicted_kl - p.predicted_kl > max(relative * kept[-1].predicted_kl,
+                                                                    floor * kept[0].predicted_kl):
+            kept.append(p)
+    return kept
+
+
 def first_guess(points: Sequence[FrontierPoint], max_kl: float | None) -> int:
     """Where bisection starts: the smallest point predicted at or under 80% of max_kl, else the middle."""
     if max_kl is not None:
