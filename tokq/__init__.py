@@ -8,6 +8,7 @@ The Python API (the CLI is a thin layer over it):
     r.passed, r.exit_code, r.to_json()                                       # CompareResult
     b = tokq.bench(["smollm2-135m", "smollm2-awq"], prompt_len=256, gen_len=64)
     g = tokq.gate("tokq.toml")                                               # GateResult: .passed, .exit_code
+    s = tokq.sensitivity("smollm2-135m", data="mydocs/")                     # SensitivityResult: per-Linear costs
     llm = tokq.LLM("smollm2-awq")
     llm.generate(["The capital of France is"], tokq.SamplingParams(max_tokens=16))
 
@@ -24,6 +25,7 @@ _API = {
     "compare": "tokq.api.compare", "CompareResult": "tokq.api.compare", "CompareSettings": "tokq.settings",
     "bench": "tokq.api.bench", "BenchResult": "tokq.api.bench", "BenchSettings": "tokq.settings",
     "gate": "tokq.api.gate", "GateResult": "tokq.api.gate",
+    "sensitivity": "tokq.api.sensitivity", "SensitivityResult": "tokq.mixed.sensitivity",
     "LLM": "tokq.llm", "SamplingParams": "tokq.engine.sampling",
     "TokqError": "tokq.errors",
 }

@@ -37,6 +37,7 @@ from tokq.commands.models import models_app
 from tokq.commands.quantize import quantize_cmd
 from tokq.commands.report import report_cmd
 from tokq.commands.score import score_cmd
+from tokq.commands.sensitivity import sensitivity_cmd
 from tokq.commands.serve import serve_cmd
 from tokq.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TokqError
 from tokq.paths import tokq_home
@@ -56,6 +57,7 @@ app.command("quantize")(quantize_cmd)
 app.command("kv-calc")(kv_calc_cmd)
 app.command("bench")(bench_cmd)
 app.command("compare")(compare_cmd)
+app.command("sensitivity")(sensitivity_cmd)
 app.command("init")(init_cmd)
 app.command("report")(report_cmd)
 app.command("gate")(gate_cmd)

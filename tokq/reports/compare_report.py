@@ -42,7 +42,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def render(folder: Path) -> Path:
-    """Re-render report.md / report.html / junit.xml from the folder's report.json (a compare's or a gate's).
+    """Re-render report.md / report.html / junit.xml from the folder's report.json (a compare's or a gate's; a
+    sensitivity report's report.html).
     A report.json that cannot be read or is not a tokq report is a DataError naming it; nothing is written."""
     from tokq.errors import DataError
 
@@ -58,6 +59,10 @@ def render(folder: Path) -> Path:
             from tokq.reports.gate_report import write_gate_report
 
             return write_gate_report(folder, result, step_summary=False)
+        if result.get("command") == "sensitivity":
+            from tokq.reports.sensitivity_report import write_sensitivity_report
+
+            return write_sensitivity_report(folder, result, step_summary=False)
         return write_report(folder, result, step_summary=False)
     except MALFORMED as exc:
         raise DataError(f"{source} is not a complete tokq report ({_reason(exc)}): {FIX}") from exc
