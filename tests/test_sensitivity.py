@@ -78,6 +78,21 @@ def test_the_unquantized_model_costs_exactly_nothing_also_from_the_cached_base(c
     assert torch.equal(model.logits(torch.tensor([windows.windows[0].tokens])), before)
 
 
+def test_the_kl_beyond_the_top_k_is_measured_on_whole_rows(checkpoint, docs, measured):
+    """top-k 16 of 211 tokens: with every row kept whole (π = 1) the KL is the exact one of top-k = vocabulary
+    (up to the bf16 tail); a sample of rows estimates it; both give the unquantized model KL 0 exactly."""
+    model, windows, schemes = _setup(checkpoint, docs)
+    exact = measured.linear_costs()
+    n = measured.windows["scored_tokens"]
+    for rows, tolerance in ((n, 0.01), (n // 3, 0.5)):
+        result = measure_sensitivity(model, windows, {"w4a16": schemes["w4a16"]}, wide_gain=False, blocks=False,
+                                     topk=16, full_kl_rows=rows)
+        assert result.windows["kl"] == ("exact" if rows == n else "estimated")
+        assert result.floor["kl"].value == 0.0 and result.floor["top1"].value == 1.0
+        for name, costs in result.linear_costs().items():
+            assert abs(costs["w4a16"] / exact[name]["w4a16"] - 1) < tolerance, (rows, name, costs, exact[name])
+
+
 def test_int4_costs_more_than_int8_for_every_linear(measured):
     costs = measured.linear_costs()
     assert len(costs) == 12  # 3 layers x (qkv, o, gate_up, down)

@@ -113,11 +113,14 @@ class _Batch:
             hidden = model.model.layers[i](hidden, self.ropes[model.config.layer_types[i]], self.backend)
         return model.model.norm(hidden).flatten(0, 1)[self.rows]
 
-    def logprobs(self, hidden: torch.Tensor):
-        """fp32 log-probabilities of the scored rows, a chunk of rows at a time: (row offset, [n, vocab])."""
+    def logits(self, hidden: torch.Tensor):
+        """fp32 logits of the scored rows and their logsumexp, a chunk of rows at a time: (row offset, [n, vocab],
+        [n, 1]). A log-probability is logit - logsumexp, taken only where a metric reads one: a whole
+        log_softmax tensor per run would cost more memory traffic than the LM head's matmul."""
         step = max(1, _LOGIT_ELEMENTS // self.model.config.vocab_size)
         for lo in range(0, hidden.shape[0], step):
-            yield lo, torch.log_softmax(self.model.compute_logits(hidden[lo: lo + step]).float(), dim=-1)
+            logits = self.model.compute_logits(hidden[lo: lo + step]).float()
+            yield lo, logits, logits.logsumexp(dim=-1, keepdim=True)
 
 
 @dataclass
@@ -135,13 +138,14 @@ def _base_scores(batch: _Batch, hidden: torch.Tensor, topk: int, full_kl_rows: i
     offsets = _offsets(batch.counts)
     picked = torch.cat([r + off for r, off in zip(sample.rows, offsets, strict=True)]).to(hidden.device)
     logprob, ids, values, full = [], [], [], []
-    for lo, lp in batch.logprobs(hidden):
-        n = lp.shape[0]
-        top = lp.topk(topk, dim=-1)
-        logprob.append(lp.gather(1, batch.targets[lo: lo + n, None])[:, 0].cpu())
+    for lo, logits, lse in batch.logits(hidden):
+        n = logits.shape[0]
+        top = logits.topk(topk, dim=-1)
+        logprob.append((logits.gather(1, batch.targets[lo: lo + n, None]) - lse)[:, 0].cpu())
         ids.append(top.indices.cpu())
-        values.append(top.values.cpu())
-        full.append(lp[picked[(picked >= lo) & (picked < lo + n)] - lo].cpu())
+        values.append((top.values - lse).cpu())
+        here = picked[(picked >= lo) & (picked < lo + n)] - lo
+        full.append((logits[here] - lse[here]).cpu())
     logprob, ids, values, picked = torch.cat(logprob), torch.cat(ids), torch.cat(values), picked.cpu()
     tail = a_tail(torch.cat(full), ids[picked]) if sample.size else None
     out = []
@@ -188,13 +192,14 @@ class _Scorer:
         base, device = self.base, self.batch.targets.device
         logprob, top, gathered, full = [], [], [], []
         full_rows = base.full_rows.to(device) if base.full_rows is not None else None
-        for lo, lp in self.batch.logprobs(hidden):
-            n = lp.shape[0]
-            logprob.append(lp.gather(1, self.batch.targets[lo: lo + n, None])[:, 0].cpu())
-            top.append(lp.max(dim=-1).values.cpu())
-            gathered.append(lp.gather(1, base.topk_ids[lo: lo + n].to(device)).cpu())
+        for lo, logits, lse in self.batch.logits(hidden):
+            n = logits.shape[0]
+            logprob.append((logits.gather(1, self.batch.targets[lo: lo + n, None]) - lse)[:, 0].cpu())
+            top.append((logits.max(dim=-1, keepdim=True).values - lse)[:, 0].cpu())
+            gathered.append((logits.gather(1, base.topk_ids[lo: lo + n].to(device)) - lse).cpu())
             if full_rows is not None:
-                full.append(lp[full_rows[(full_rows >= lo) & (full_rows < lo + n)] - lo].cpu())
+                here = full_rows[(full_rows >= lo) & (full_rows < lo + n)] - lo
+                full.append((logits[here] - lse[here]).cpu())
         logprob, gathered = torch.cat(logprob), torch.cat(gathered)
         metrics = token_metrics(base, logprob, torch.cat(top), gathered, self.batch.model.config.vocab_size)
         metrics.update(_tail_estimate(base, metrics["kl_topk"], gathered, torch.cat(full) if full else None))
