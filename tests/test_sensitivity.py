@@ -180,3 +180,17 @@ def test_a_16_bit_format_is_refused(checkpoint, docs, tmp_path, capsys):
     code = main(["sensitivity", str(checkpoint), "--data", str(docs), "--scheme", "bf16"])
     assert code == 2
     assert "16-bit model itself" in capsys.readouterr().err
+
+
+def test_the_python_api(checkpoint, docs, tmp_path):
+    import tokq
+
+    out = tmp_path / "s.json"
+    result = tokq.sensitivity(checkpoint, data=docs, schemes=("w8a16",), window=64, windows=4, wide_gain=False,
+                              blocks=False, progress=False, json_path=out, resamples=100)
+    assert isinstance(result, tokq.SensitivityResult)
+    assert result.formats == ["w8a16"] and result.windows["count"] == 4
+    assert all(u.kind == "linear" and u.wide_gain is None for u in result.units)
+    assert json.loads(out.read_text())["checkpoint"] == str(checkpoint)
+    with pytest.raises(tokq.TokqError, match="unknown setting"):
+        tokq.sensitivity(checkpoint, data=docs, windw=64)
