@@ -5,9 +5,10 @@ Resolves the model (zoo.resolve_model), the formats (quantization.pipeline.resol
 SmolLM2's w4a16 gets group size 64) and the windows (api.compare_windows.document_windows, as compare cuts them),
 loads the 16-bit model in fp32 and measures (tokq.mixed.sensitivity, whose docstring says how it stays fast).
 
-Default sample: 8 windows of 128 tokens spread evenly over the documents (~1,000 scored tokens), which measures
-SmolLM2-135M's 150 units at two formats, alone and kept wide, in about 6 minutes on a 2-core CPU (time grows
-linearly with windows x window); more windows give firmer intervals.
+Default sample: 8 windows of 128 tokens spread evenly over the documents (~1,000 scored tokens), sized so that
+SmolLM2-135M's 150 units at two formats, alone and kept wide, take about 7 minutes on a quiet 2-core CPU (an
+estimate from its parts, mixed.sensitivity; time grows linearly with windows x window); more windows give
+firmer intervals.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def sensitivity_cmd(
     window: int = typer.Option(DEFAULT_WINDOW, "--window", help="Tokens per window."),
     windows: int = typer.Option(DEFAULT_WINDOWS, "--windows", help="Windows scored, spread evenly over the "
                                 "documents (time grows with windows x window; the default fits SmolLM2-135M in "
-                                "~6 minutes on 2 CPU cores)."),
+                                "~7 minutes on 2 quiet CPU cores)."),
     wide_gain: bool = typer.Option(True, "--wide-gain/--no-wide-gain", help="Also measure what keeping each unit "
                                    "wide buys when everything else is quantized (doubles the time)."),
     blocks: bool = typer.Option(True, "--blocks/--no-blocks", help="Also measure whole blocks."),
