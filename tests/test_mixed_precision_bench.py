@@ -112,7 +112,7 @@ def test_markdown_and_plot(bench, tmp_path):
               "targets": {"equal_size": bench.equal_size_check(pts), "target_kl": bench.target_kl_checks(pts)},
               "durations": {"total": 1.0}, "loadavg_before": [0, 0, 0], "loadavg_after": [0, 0, 0]}
     md = bench.frontier_markdown(record)
-    assert "| mix-equal-size | mixed | 100/15/5 |" in md
+    assert "| mix-equal-size | mixed | 100 w4a16, 15 w8a16, 5 bf16 |" in md
     assert "16 x 1024-token windows from 10 of 30 held-out documents" in md
     assert "reduction 40.0%" in md and "**met**" in md
     assert "21.2% fewer bytes (30.4% fewer on the candidate Linears alone)" in md

@@ -86,6 +86,9 @@ class QuantScheme:
 PRESETS: dict[str, QuantScheme] = {
     "w4a16": QuantScheme("w4a16", WeightArgs(bits=4, symmetric=True, strategy=GROUP, group_size=128)),
     "w4a16-asym": QuantScheme("w4a16-asym", WeightArgs(bits=4, symmetric=False, strategy=GROUP, group_size=128)),
+    # 3-bit groups: for the Linears a mix finds least sensitive (the bytes they free go to the sensitive ones);
+    # the engine runs them through the reference kernel (no fused int3 kernel), vLLM not at all
+    "w3a16": QuantScheme("w3a16", WeightArgs(bits=3, symmetric=True, strategy=GROUP, group_size=128)),
     "w8a16": QuantScheme("w8a16", WeightArgs(bits=8, symmetric=True, strategy=CHANNEL, group_size=None)),
     "w8a8-int8": QuantScheme(
         "w8a8-int8", WeightArgs(bits=8, symmetric=True, strategy=CHANNEL, group_size=None), ActivationArgs("int")
