@@ -130,6 +130,7 @@ def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime):
         mix_costs,
         mix_sizes,
         mix_windows,
+        sensitivity_progress,
         written_itemsize,
     )
     from tokq.dtypes import parse_dtype
@@ -144,7 +145,7 @@ def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime):
     window = min(settings.seq_len, MIX_WINDOW, config.max_position_embeddings)
     windows = mix_windows(choice, tokenizer, model_adds_bos(tokenizer), window, SENSITIVITY_WINDOWS, "choice", folder)
     lm = load_model(base, dtype="fp32", device=runtime.device)
-    sens, costs, all_quantized = mix_costs(lm, windows, formats, settings.seed)
+    sens, costs, all_quantized = mix_costs(lm, windows, formats, settings.seed, sensitivity_progress())
     dtype = None if settings.save_dtype == "auto" else parse_dtype(settings.save_dtype)
     sizes = mix_sizes(lm, formats, written_itemsize(config, dtype))
     return sens, costs, sizes, all_quantized

@@ -123,6 +123,18 @@ def mix_sizes(lm, formats: dict, item: int) -> dict[str, dict[str, int]]:
     return sizes
 
 
+def sensitivity_progress():
+    """An on_step for measure_sensitivity that prints a line every 10 s (not one per Linear: logs stay short)."""
+    last = [time.perf_counter()]
+
+    def on_step(done: int, total: int, label: str) -> None:
+        if time.perf_counter() - last[0] > 10 or done == total:
+            last[0] = time.perf_counter()
+            console.print(f"  sensitivity {done}/{total}: {label}", highlight=False)
+
+    return on_step
+
+
 def mix_costs(lm, choice_windows, formats: dict, seed: int, on_step=None):
     """(SensitivityResult, Linear -> format -> KL alone, format -> KL with every Linear at it): RTN
     fake-quantization of the fp32 model `lm` on the choice windows (mixed.sensitivity), the formats of the mix."""
@@ -188,13 +200,7 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
     console.print(f"--mix {','.join(formats)}: sensitivity of {provenance['source_model']} on "
                   f"{len(choice_windows)} windows of {len(choice)} choice documents; builds verified on "
                   f"{len(held_windows)} windows of {len(held_out)} held-out documents")
-    last = [time.perf_counter()]
-
-    def on_step(done: int, total: int, label: str) -> None:
-        if time.perf_counter() - last[0] > 10 or done == total:  # a line every 10 s, not one per Linear
-            last[0] = time.perf_counter()
-            console.print(f"  sensitivity {done}/{total}: {label}")
-
+    on_step = sensitivity_progress()
     sens, costs, all_quantized = mix_costs(lm, choice_windows, formats, s.seed, on_step)
     notes: list[str] = []
 
