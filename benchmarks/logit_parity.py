@@ -1,6 +1,7 @@
 """Logit agreement of tokq's runtime with HF transformers, fp32: every tiny architecture and the real models.
 
     python benchmarks/logit_parity.py [--real smollm2-135m gemma3-270m] [--tokens 512]
+    python benchmarks/logit_parity.py --no-tiny --real out/smollm2-mixed --out mixed-hf-parity.json   # a quantized one
 
 Prints a table (max |dlogit|, mean |dlogit|, top-1 agreement) and writes
 benchmarks/results/logit-parity.json. The tiny models are the test suite's random configs; the
@@ -62,15 +63,23 @@ def real_row(name: str, tokens: int) -> dict:
     ours = load_model(checkpoint, dtype="fp32")
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
-        return {"model": name, **agreement(ours.logits(ids), hf(ids).logits)}
+        row = {"model": Path(name).name if Path(name).is_dir() else name, **agreement(ours.logits(ids), hf(ids).logits)}
+    qc = (hf.config.to_dict().get("quantization_config") or {})
+    if qc:  # a quantized checkpoint: what HF read, and which kernel tokq runs each kind of Linear on
+        row["quantization"] = {"format": qc.get("format"), "config_groups": len(qc.get("config_groups") or {}),
+                               "ignored": len(qc.get("ignore") or [])}
+        row["tokq_kernels"] = sorted({m.name for m in ours.modules() if hasattr(m, "kernel_name")})
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--real", nargs="*", default=["smollm2-135m", "gemma3-270m"])
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--no-tiny", action="store_true", help="skip the tiny random architectures")
+    parser.add_argument("--out", default="logit-parity.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
-    rows = tiny_rows() + [real_row(name, args.tokens) for name in args.real]
+    rows = ([] if args.no_tiny else tiny_rows()) + [real_row(name, args.tokens) for name in args.real]
     print(f"{'model':28s} {'positions':>9s} {'max|dlogit|':>12s} {'mean|dlogit|':>13s} {'top-1':>7s}")
     for r in rows:
         print(f"{r['model']:28s} {r['positions']:9d} {r['max_abs_dlogit']:12.2e} {r['mean_abs_dlogit']:13.2e} "
@@ -78,7 +87,7 @@ def main() -> None:
     import transformers
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "logit-parity.json"
+    out = RESULTS / args.out
     out.write_text(json.dumps({"benchmark": "logit-parity", "tokq_version": __version__, "dtype": "fp32",
                                "transformers": transformers.__version__, "torch": torch.__version__,
                                "rows": rows}, indent=2) + "\n")
