@@ -15,6 +15,7 @@ from tokq.mixed.gate_search import (
     frontier_points,
     search_documents,
     thin_by_kl,
+    tightened,
     tightest_max_kl,
 )
 
@@ -82,3 +83,13 @@ def test_thinning_keeps_points_whose_predicted_kl_moves():
     ps = frontier_points([(100, 1.0, {}), (200, 0.99, {}), (300, 0.5, {}), (400, 1e-4, {}), (450, 1e-5, {}),
                           (500, 0.0, {})])
     assert [p.bytes for p in thin_by_kl(ps)] == [100, 300, 400]  # below 0.001 x the smallest's KL: not moving
+
+
+def test_the_search_judges_by_rules_tightened_toward_no_loss():
+    rules = {"max_kl": {None: 0.08, "1K-2K": 0.1}, "min_top1": {None: 0.8}, "max_ppl_ratio": {None: 1.3},
+             "max_flip_rate": {None: 0.25}}
+    t = tightened(rules, 0.8)
+    assert t["max_kl"][None] == pytest.approx(0.064) and t["max_kl"]["1K-2K"] == pytest.approx(0.08)
+    assert t["min_top1"][None] == pytest.approx(0.84) and t["max_ppl_ratio"][None] == pytest.approx(1.24)
+    assert t["max_flip_rate"][None] == pytest.approx(0.2)
+    assert tightened(rules, 1.0) == rules

@@ -42,6 +42,7 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
     from tokq.engine.tokenizer import load_tokenizer
     from tokq.longctx.read_limits import read_limits
     from tokq.mixed.gate_search import (
+        MARGIN,
         PASS,
         Evaluation,
         GateSearch,
@@ -50,6 +51,7 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
         frontier_points,
         search_documents,
         thin_by_kl,
+        tightened,
         tightest_max_kl,
     )
     from tokq.mixed.knapsack import frontier
@@ -88,7 +90,7 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
         uniform = _uniform_points(sizes, scaled)
         record = GateSearch({"gate_windows": len(gate_docs), "choice": len(choice), "held_out": len(held_out)},
                             points, uniform)
-        search_settings = replace(s, use_cache=True)
+        search_settings = replace(s, use_cache=True, thresholds=tightened(s.thresholds or {}))
 
         def judge(index: int) -> Evaluation:
             point = points[index]
@@ -106,13 +108,15 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
             return evaluation
 
         chosen, record.evaluations = bisect_smallest_passing(points, judge, first_guess(points, tightest_max_kl(
-            s.thresholds or {})))
+            search_settings.thresholds)))
         if chosen is None:
             # none passed within the build budget: the widest point judged is built, and the gate will say FAIL
             chosen = max(e.index for e in record.evaluations)
             record.note = "no build judged passed on the held-out documents; the widest one judged was built"
         record.chosen = chosen
-        record_json = {**record.to_json(), "calibration": calibration, "sensitivity_seconds": sensitivity.seconds}
+        record_json = {**record.to_json(), "calibration": calibration, "sensitivity_seconds": sensitivity.seconds,
+                       "margin": MARGIN, "search_rules": {rule: {str(b or "overall"): t for b, t in by.items()}
+                                                          for rule, by in search_settings.thresholds.items()}}
         run_quantize(str(base), target, base_settings, layer_assignment=points[chosen].assignment, force=force,
                      recipe_sha256=recipe_sha256, threads=threads, device=device,
                      extra_provenance={"gate_search": record_json})

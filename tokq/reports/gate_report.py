@@ -227,7 +227,8 @@ def _search_section(name: str, search: dict, plot: bool = True) -> dict:
     docs = search.get("documents", {})
     chosen = search.get("chosen")
     line = (f"searched on {docs.get('choice', '?')} choice + {docs.get('held_out', '?')} held-out documents that the "
-            f"gate's windows ({docs.get('gate_windows', '?')} documents) do not use; chosen: "
+            f"gate's windows ({docs.get('gate_windows', '?')} documents) do not use, each rule judged at "
+            f"{search.get('margin', 1):.0%} of its distance from no loss; chosen: "
             + ("none passed" if chosen is None else frontier[chosen]["label"]) + (f". {search['note']}"
                                                                                   if search.get("note") else ""))
     return {"name": name, "line": line, "plot": plots.mix_frontier(search) if plot else None, "rows": rows}
