@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # reports are rendered headless (CI), never to a window
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 F = TypeVar("F", bound=Callable[..., str])
 
@@ -154,9 +155,12 @@ def mix_frontier(search: dict) -> str:
     ax.plot([p["bytes"] / mib for p in frontier], [max(p["predicted_kl"], 1e-6) for p in frontier], "-",
             color="grey", lw=1, label="frontier (predicted KL)")
     for fmt, p in search.get("uniform", {}).items():
+        if p["predicted_kl"] <= 0:
+            continue  # all 16-bit: the base itself, no KL to draw on a log axis
         ax.plot([p["bytes"] / mib], [max(p["predicted_kl"], 1e-6)], "s", color="black", ms=6)
         ax.annotate(f"uniform {fmt}", (p["bytes"] / mib, max(p["predicted_kl"], 1e-6)), fontsize=8,
                     xytext=(4, 4), textcoords="offset points")
+    labelled: set[str] = set()
     for e in search.get("evaluations", []):
         point = frontier[e["index"]]
         kl = e.get("kl") or {}
@@ -167,11 +171,17 @@ def mix_frontier(search: dict) -> str:
         x = point["bytes"] / mib
         if kl.get("low") is not None and kl.get("high") is not None:
             ax.plot([x, x], [max(kl["low"], 1e-6), max(kl["high"], 1e-6)], color=color, lw=3, alpha=0.6)
-        ax.plot([x], [max(value, 1e-6)], "o", color=color, ms=6)
+        label = f"held-out KL, {e['result']}" if e["result"] not in labelled else None
+        labelled.add(e["result"])
+        ax.plot([x], [max(value, 1e-6)], "o", color=color, ms=6, label=label)
     if search.get("chosen") is not None:
         p = frontier[search["chosen"]]
         ax.plot([p["bytes"] / mib], [max(p["predicted_kl"], 1e-6)], "*", color="tab:blue", ms=14, label="chosen")
     ax.set_yscale("log")
+    # plain tick labels: the figure's text is drawn as written (_plain_text), so the log axis' mathtext would
+    # show as source
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("candidate Linear weights (MiB)")
     ax.set_ylabel("mean KL (nats/token)")
     ax.grid(alpha=0.3, which="both")
