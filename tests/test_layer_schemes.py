@@ -74,8 +74,8 @@ def test_parse_mix_resolves_presets_for_the_model():
 
 
 @pytest.mark.parametrize("text,method,message", [
-    ("w4a16,w5a16", "awq", r"'w5a16' is not a format; choose from w4a16, w4a16-asym, w8a16, bf16, fp16, 16bit"),
-    ("w4a16,w8a8-int8", "gptq", r"'w8a8-int8' does not fit --method gptq; choose from w4a16, w4a16-asym, w8a16, bf16"),
+    ("w4a16,w5a16", "awq", r"'w5a16' is not a format; choose from w4a16, w4a16-asym, w3a16, w8a16, bf16, fp16, 16bit"),
+    ("w4a16,w8a8-int8", "gptq", r"'w8a8-int8' does not fit --method gptq; choose from w4a16, w4a16-asym, w3a16, w8a16, bf16"),
     ("w4a16,fp8-weight-only", "awq", r"'fp8-weight-only' does not fit --method awq"),
     ("w4a16", "rtn", r"names one format; a mix needs at least two"),
     ("bf16,fp16", "rtn", r"names 'fp16' twice"),
