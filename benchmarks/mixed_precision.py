@@ -21,6 +21,9 @@ Points (bytes on disk = the checkpoint folder's *.safetensors; also the candidat
            (b) "target-kl": the fewest bytes whose predicted KL (alone costs scaled so the all-w4a16 end matches
                the measured all-w4a16 KL: tokq.mixed.search.calibrate) is <= T, for T = fractions of the best
                uniform int4 KL (below it, so uniform int4 misses every T).
+--method-costs (with --mix-method gptq): the costs come from uniform GPTQ builds at each format instead, one
+dequantized Linear at a time in the 16-bit model (tokq.mixed.method_weights), so the knapsack sees what GPTQ
+leaves of each Linear's error rather than RTN's; those uniform builds are frontier points too.
 The mixed builds are chosen open loop (prediction only, no build is scored before it is chosen), so the
 evaluation windows never steer a choice.
 
@@ -312,7 +315,7 @@ class Bench:
                                    self.args.seq_len, self.args.seed)
 
     # -- sensitivity
-    def sensitivity(self, formats: dict):
+    def sensitivity(self, formats: dict, weights: dict | None = None, tag: str = ""):
         """Alone KL of every candidate Linear at each quantized format, as `tokq quantize --mix` measures it
         (api.quantize_mix.mix_windows spread over the choice documents, mix_costs), reused from an earlier
         run on the same windows."""
@@ -327,9 +330,9 @@ class Bench:
         windows = mix_windows(docs.documents, self.tokenizer, self.add_bos, window, self.args.sens_windows,
                               "choice", self.choice_dir)
         key = hashlib.sha256(json.dumps({"formats": {k: v.to_json() for k, v in formats.items()},
-                                         "seed": self.args.seed, "windows": [[w.doc_id, w.tokens] for w in windows]},
-                                        sort_keys=True).encode()).hexdigest()
-        path = self.work / "sensitivity.json"
+                                         "seed": self.args.seed, "windows": [[w.doc_id, w.tokens] for w in windows]}
+                                        | ({"weights": tag} if tag else {}), sort_keys=True).encode()).hexdigest()
+        path = self.work / f"sensitivity{'-' + tag if tag else ''}.json"
         if path.is_file():  # the same formats on the same windows: an interrupted run need not measure again
             old = json.loads(path.read_text())
             if old.get("bench_key") == key:
@@ -343,7 +346,7 @@ class Bench:
                 print(f"  sensitivity {done}/{total}: {label}", flush=True)
 
         base = load_model(self.checkpoint, dtype="fp32", device=self.runtime.device)
-        result, _costs, _all = mix_costs(base, windows, formats, self.args.seed, step)
+        result, _costs, _all = mix_costs(base, windows, formats, self.args.seed, step, weights=weights)
         write_json(path, result.to_json() | {"bench_key": key})
         return result
 
@@ -438,6 +441,9 @@ def parse_args(argv=None):
     ap.add_argument("--mix", default=MIX, help=f"formats the mixed builds choose from (default {MIX})")
     ap.add_argument("--mix-method", default="awq", choices=("awq", "gptq", "rtn"), help="method of the mixed builds")
     ap.add_argument("--int8-awq", action="store_true", help="also uniform AWQ w8a16")
+    ap.add_argument("--method-costs", action="store_true",
+                    help="per-Linear costs from uniform --mix-method builds at each format (gptq or rtn; "
+                         "mixed.method_weights) instead of RTN rounding; the extra uniform builds are frontier points")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
@@ -470,12 +476,15 @@ def main(argv=None) -> None:
     split = bench.timed("split", bench.split)
     mix = parse_mix(args.mix, args.mix_method, bench.config)
     formats = {k: v for k, v in mix.items() if v is not None}
-    sens = bench.timed("sensitivity", bench.sensitivity, formats)
+    calibration = bench.timed("calibration", bench.calibration)
+    weights, tag = (bench.timed("method_weights", method_weights, bench, formats, calibration), args.mix_method) \
+        if args.method_costs else (None, "")
+    sens = bench.timed("sensitivity", bench.sensitivity, formats, weights, tag)
+    del weights
     costs, sizes = sens.linear_costs(), sens.bytes
     bench.dense_16bit = _dense_16bit_bytes(bench)
     print(f"{args.model}: split {split['choice_documents']} choice / {split['evaluation_documents']} evaluation "
           f"documents; sensitivity of {len(costs)} Linears in {bench.durations['sensitivity']:.0f}s", flush=True)
-    calibration = bench.timed("calibration", bench.calibration)
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"mixed-precision-{bench.name}{'-quick' if args.quick else ''}"
@@ -503,7 +512,11 @@ def main(argv=None) -> None:
         record["durations"]["total"] = round(time.perf_counter() - started, 1)
         write_json(stem.with_suffix(".json"), record)
 
-    for name, method, fmt in uniform_runs(args.int8_awq):
+    runs = uniform_runs(args.int8_awq)
+    if args.method_costs:  # the method's uniform builds the costs came from are points on the frontier too
+        runs += [(f"{args.mix_method}-{f}", args.mix_method, f) for f in formats
+                 if (f"{args.mix_method}-{f}", args.mix_method, f) not in runs]
+    for name, method, fmt in runs:
         started_point = time.perf_counter()
         bench.point(name, "uniform", method, formats[fmt], calibration, {fmt: len(sizes)},
                     sum(s[fmt] for s in sizes.values()), format=fmt)
@@ -512,7 +525,8 @@ def main(argv=None) -> None:
 
     all_kl = {f: e["kl"].value for f, e in sens.all_quantized.items()}
     scaled, low, calib_desc = calibrate(costs, sizes, all_kl)
-    record["prediction"] = {"costs": "alone KL per Linear (RTN fake-quantized, choice windows)", "lowest": low,
+    how = f"{args.mix_method}'s own uniform builds, one Linear at a time" if args.method_costs else "RTN fake-quantized"
+    record["prediction"] = {"costs": f"alone KL per Linear ({how}, choice windows)", "lowest": low,
                             **calib_desc}
     done: dict[tuple, str] = {}
 
@@ -558,6 +572,22 @@ def main(argv=None) -> None:
               f"smallest uniform meeting {r['smallest_uniform_meeting']}, saving {saving}: met={r['met']}")
     print(f"durations: {json.dumps(bench.durations)}")
     print(f"wrote {stem.with_suffix('.json')}, .md, .png")
+
+
+def method_weights(bench, formats: dict, calibration) -> dict:
+    """Format -> Linear -> dense weight of the --mix-method's uniform build at that format (built or reused)."""
+    from tokq.engine.checkpoint import load_model
+    from tokq.mixed.method_weights import PER_LINEAR_METHODS, dequantized_linears
+
+    method = bench.args.mix_method
+    if method not in PER_LINEAR_METHODS:
+        raise SystemExit(f"--method-costs: {method} folds scales across layers, its Linears cannot be measured one "
+                         f"at a time; use --mix-method {' or '.join(PER_LINEAR_METHODS)}")
+    out = {}
+    for fmt, scheme in formats.items():
+        folder, _ = bench.build(f"{method}-{fmt}", method, scheme, calibration)
+        out[fmt] = dequantized_linears(load_model(folder, dtype="fp32", device=bench.runtime.device))
+    return out
 
 
 def _dense_16bit_bytes(bench) -> int:

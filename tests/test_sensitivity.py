@@ -194,3 +194,70 @@ def test_the_python_api(checkpoint, docs, tmp_path):
     assert json.loads(out.read_text())["checkpoint"] == str(checkpoint)
     with pytest.raises(tokq.TokqError, match="unknown setting"):
         tokq.sensitivity(checkpoint, data=docs, windw=64)
+
+
+def test_costs_from_a_builds_own_weights_match_the_rounding_they_came_from(checkpoint, docs):
+    """mixed.method_weights: the dequantized Linears of a uniform RTN build, given as `weights`, cost exactly
+    what RTN rounding in the sensitivity costs; a GPTQ build's weights give other costs (its own rounding)."""
+    import copy
+
+    from tokq.mixed.method_weights import dequantized_linears
+    from tokq.quantization.calibration import calibration_samples
+    from tokq.quantization.pipeline import quantize_model
+
+    model, windows, schemes = _setup(checkpoint, docs)
+    w4 = {"w4a16": schemes["w4a16"]}
+    rtn_build, gptq_build = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_model(rtn_build, "rtn", schemes["w4a16"])
+    calib = calibration_samples(docs, load_tokenizer(checkpoint), False, 4, 32)
+    quantize_model(gptq_build, "gptq", resolve_scheme("gptq", model.config, "w4a16")[0], calib)
+    rtn_weights, gptq_weights = dequantized_linears(rtn_build), dequantized_linears(gptq_build)
+    assert set(rtn_weights) == set(candidate_linears(model))
+
+    def costs(weights=None):
+        r = measure_sensitivity(model, windows, w4, wide_gain=False, blocks=False, weights=weights)
+        return {n: c["w4a16"] for n, c in r.linear_costs().items()}, r
+
+    rtn, plain = costs(), costs()[1]
+    given, given_result = costs({"w4a16": rtn_weights})
+    assert given == pytest.approx(rtn[0], rel=1e-6, abs=1e-9)
+    assert any("the given weights" in n for n in given_result.notes)
+    assert not any("the given weights" in n for n in plain.notes)
+    gptq = costs({"w4a16": gptq_weights})[0]
+    assert gptq != pytest.approx(rtn[0], rel=1e-3)
+    assert all(model.get_submodule(n).method is DENSE_METHOD for n in candidate_linears(model))
+
+
+def test_a_permuted_linear_dequantizes_in_the_models_column_order(checkpoint):
+    """An activation-ordered checkpoint stores a Linear's columns permuted (InputPermutedLinearMethod): the
+    dense matrix handed to the sensitivity must compute what the quantized Linear computes."""
+    from tokq.engine.quant_linear import quantize_linear_
+    from tokq.mixed.method_weights import dequantized_linears
+    from tokq.quantization.methods.block_ops import quantize_weight
+
+    model = load_model(checkpoint, dtype="fp32")
+    scheme = resolve_scheme("rtn", model.config, "w8a16")[0]
+    names = list(candidate_linears(model))
+    for name in names:
+        layer = model.get_submodule(name)
+        perm = torch.randperm(layer.in_features, generator=torch.Generator().manual_seed(1))
+        quantize_linear_(layer, quantize_weight(layer.weight[:, perm], scheme, name), None, input_perm=perm)
+    dense = dequantized_linears(model)
+    x = torch.randn(5, model.get_submodule(names[0]).in_features, generator=torch.Generator().manual_seed(2))
+    layer = model.get_submodule(names[0])
+    assert torch.allclose(torch.nn.functional.linear(x, dense[names[0]]), layer(x), rtol=1e-4, atol=1e-5)
+
+
+def test_method_weights_refuse_a_dense_linear_and_a_wrong_shape(checkpoint, docs):
+    from tokq.errors import ModelError
+    from tokq.mixed.method_weights import dequantized_linears
+
+    model, windows, schemes = _setup(checkpoint, docs)
+    first = next(iter(candidate_linears(model)))
+    with pytest.raises(ModelError, match=f"{first} is not quantized"):
+        dequantized_linears(model)
+    bad = {n: torch.zeros(3, 3) for n in candidate_linears(model)}
+    with pytest.raises(ModelError, match="is \\(3, 3\\), the Linear is"):
+        measure_sensitivity(model, windows, {"w4a16": schemes["w4a16"]}, wide_gain=False, blocks=False,
+                            weights={"w4a16": bad})
+    assert all(model.get_submodule(n).method is DENSE_METHOD for n in candidate_linears(model))

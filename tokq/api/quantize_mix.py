@@ -135,14 +135,15 @@ def sensitivity_progress():
     return on_step
 
 
-def mix_costs(lm, choice_windows, formats: dict, seed: int, on_step=None):
+def mix_costs(lm, choice_windows, formats: dict, seed: int, on_step=None, weights=None):
     """(SensitivityResult, Linear -> format -> KL alone, format -> KL with every Linear at it): RTN
-    fake-quantization of the fp32 model `lm` on the choice windows (mixed.sensitivity), the formats of the mix."""
+    fake-quantization of the fp32 model `lm` on the choice windows (mixed.sensitivity), the formats of the mix;
+    `weights` (format -> Linear -> dense matrix: a build's own rounding, mixed.method_weights) in place of RTN."""
     from tokq.mixed.sensitivity import measure_sensitivity
 
     schemes = {k: v for k, v in formats.items() if v is not None}
     sens = measure_sensitivity(lm, choice_windows, schemes, wide_gain=False, blocks=False, on_step=on_step,
-                               seed=seed)
+                               seed=seed, weights=weights)
     costs = {u: {f: c for f, c in per.items() if f in formats} for u, per in sens.linear_costs().items()}
     return sens, costs, {f: est["kl"].value for f, est in sens.all_quantized.items()}
 

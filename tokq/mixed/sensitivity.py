@@ -254,10 +254,13 @@ def _cached_base(batch: _Batch, model: CausalLM, windows: Sequence[TokenWindow],
 def measure_sensitivity(model: CausalLM, windows: WindowSet | Sequence[TokenWindow], schemes: dict[str, QuantScheme],
                         *, wide_gain: bool = True, blocks: bool = True, on_step: OnStep | None = None,
                         topk: int = 256, full_kl_rows: int = 256, resamples: int = 1000, seed: int = 0,
-                        confidence: float = DEFAULT_CONFIDENCE, use_cache: bool = True) -> SensitivityResult:
+                        confidence: float = DEFAULT_CONFIDENCE, use_cache: bool = True,
+                        weights: dict[str, dict[str, torch.Tensor]] | None = None) -> SensitivityResult:
     """Every candidate Linear's (and, with `blocks`, every block's) cost at every format of `schemes` (format
     name -> resolved scheme), alone and, with `wide_gain`, as the gain of keeping it wide (module docstring).
-    `on_step(done, total, label)` is called after each measurement. The model is left as it was given."""
+    `weights` (format -> Linear -> dense matrix, e.g. mixed.method_weights.dequantized_linears of a uniform
+    GPTQ build) replaces RTN rounding for the formats it names. `on_step(done, total, label)` is called after
+    each measurement. The model is left as it was given."""
     started = time.perf_counter()
     window_list = list(windows.windows if isinstance(windows, WindowSet) else windows)
     if not window_list:
@@ -292,8 +295,8 @@ def measure_sensitivity(model: CausalLM, windows: WindowSet | Sequence[TokenWind
             all_quantized, costs = {}, []
             for fmt, scheme in schemes.items():
                 act = scheme.activations.name if scheme.activations else None
-                fake = {n: _FakeQuant(quantize_weight(m.weight, scheme, n).dequantize(m.weight.dtype).to(m.weight.device),
-                                      act, fmt) for n, m in linears.items()}
+                fake = {n: _FakeQuant(_rounded(m, n, scheme, (weights or {}).get(fmt)), act, fmt)
+                        for n, m in linears.items()}
                 _set(linears, fake, set(linears))
                 quant_inputs = batch.block_inputs() if wide_gain else None
                 everything = scorer.tokens(batch.run_from(len(model.model.layers), quant_inputs[-1])) if wide_gain \
@@ -322,7 +325,9 @@ def measure_sensitivity(model: CausalLM, windows: WindowSet | Sequence[TokenWind
     sizes = {name: {DENSE: linear_bytes(m.out_features, m.in_features, None, shards=_shards(m)),
                     **{fmt: linear_bytes(m.out_features, m.in_features, s, shards=_shards(m))
                        for fmt, s in schemes.items()}} for name, m in linears.items()}
-    notes.append("formats applied by RTN rounding (fake-quantized: rounded, then dequantized into the Linear)")
+    given = sorted(set(weights or {}) & set(schemes))
+    notes.append("formats applied by RTN rounding (fake-quantized: rounded, then dequantized into the Linear)"
+                 + (f", except {', '.join(given)}: the given weights (a build's own rounding)" if given else ""))
     if len(docs) < 20:
         notes.append(f"{len(docs)} documents: the intervals rest on few clusters; give more windows for firmer ones")
     scored = int(sum(batch.counts))
@@ -336,6 +341,18 @@ def measure_sensitivity(model: CausalLM, windows: WindowSet | Sequence[TokenWind
                              formats=list(schemes), schemes=dict(schemes), units=costs, bytes=sizes,
                              all_quantized=all_quantized, windows=described,
                              seconds=round(time.perf_counter() - started, 3), notes=notes, floor=floor)
+
+
+def _rounded(m: Linear, name: str, scheme: QuantScheme, given: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """The dense weight `m` runs at a format: the given one (checked for shape), else RTN's rounding."""
+    if given is None:
+        return quantize_weight(m.weight, scheme, name).dequantize(m.weight.dtype).to(m.weight.device)
+    if name not in given:
+        raise ModelError(f"sensitivity weights name no {name}: give every candidate Linear's weight for a format")
+    w = given[name]
+    if tuple(w.shape) != tuple(m.weight.shape):
+        raise ModelError(f"sensitivity weight for {name} is {tuple(w.shape)}, the Linear is {tuple(m.weight.shape)}")
+    return w.to(dtype=m.weight.dtype, device=m.weight.device)
 
 
 def _shards(linear: Linear) -> list[int]:
