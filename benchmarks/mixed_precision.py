@@ -33,7 +33,7 @@ Target checks written to the JSON and Markdown (`targets`):
       smallest uniform scheme that meets it. "Meets" = the 95% interval's upper bound <= T (the gate's bound
       reading); "misses" = it does not meet it.
 
-Writes <out-dir>/mixed-precision-<model>.json, .md and .png (bytes vs KL, log KL, interval bars). Builds, the
+Writes <out-dir>/mixed-precision-<model>[-gptq-costs].json, .md and .png (bytes vs KL, log KL, interval bars). Builds, the
 split documents and the per-point compare JSONs go to $TOKQ_HOME/bench-mixed/<model>/ (a build is reused when
 its method, scheme and calibration are the same). --quick: few windows, small calibration, one target; a smoke
 test of the whole path in minutes.
@@ -487,7 +487,8 @@ def main(argv=None) -> None:
           f"documents; sensitivity of {len(costs)} Linears in {bench.durations['sensitivity']:.0f}s", flush=True)
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"mixed-precision-{bench.name}{'-quick' if args.quick else ''}"
+    costs_tag = f"-{args.mix_method}-costs" if args.method_costs else ""
+    stem = out_dir / f"mixed-precision-{bench.name}{costs_tag}{'-quick' if args.quick else ''}"
     record = {
         "benchmark": "mixed_precision", "model": bench.name, "tokq_commit": git_commit(),
         "device": bench.runtime.device, "threads": bench.runtime.threads, "cpu_count": os.cpu_count(),
