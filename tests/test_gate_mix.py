@@ -83,6 +83,17 @@ def test_target_gate_searches_off_the_gate_windows_and_builds_the_smallest_passi
     assert (tmp_path / "built" / "mixed" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_gptq_target_gate_measures_gptqs_own_linears(tmp_path):
+    config = write_project(tmp_path, '{ method = "gptq", mix = "w4a16,bf16", target = "gate", num_samples = 4, '
+                                     'seq_len = 64 }', max_kl=0.0001)
+    code = main(["gate", "--config", str(config), "--report-dir", str(tmp_path / "report"), "--threads", "1",
+                 "--no-speed"])
+    assert code in (0, 1, 3)
+    record = json.loads((tmp_path / "built" / "mixed" / "tokq_quantization.json").read_text())
+    assert record["method"] == "gptq" and record["format"] == "mixed-precision"
+    assert any("except w4a16: the given weights" in n for n in record["gate_search"]["sensitivity_notes"])
+
+
 @pytest.mark.parametrize("recipe, message", [
     ('{ method = "rtn", target = "gate" }', "add mix ="),
     ('{ method = "rtn", mix = "w4a16,bf16", target = "best" }', "is not a target"),

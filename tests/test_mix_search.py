@@ -277,6 +277,24 @@ def test_mix_within_a_size_ratio_writes_a_mixed_checkpoint(capsys, tmp_path, tin
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the scratch builds are gone
 
 
+def test_a_gptq_mix_is_chosen_from_gptqs_own_linears(capsys, tmp_path, tiny):
+    """--method gptq: the costs come from uniform GPTQ builds (mixed.method_weights), recorded as such, and the
+    all-w4a16 KL they are calibrated by is GPTQ's, not RTN's."""
+    checkpoint, docs = tiny
+    runs = {}
+    for method in ("rtn", "gptq"):
+        out = tmp_path / method
+        code, text = _quantize(capsys, checkpoint, out, "--method", method, "--calib", docs, "--num-samples", "4",
+                               "--seq-len", "32", "--save-dtype", "bf16", "--mix", "w4a16,w8a16,bf16",
+                               "--max-size-ratio", "0.5")
+        assert code == 0, text
+        runs[method] = json.loads((out / "tokq_quantization.json").read_text())["mix"]["sensitivity"]
+    assert runs["gptq"]["how"].startswith("gptq's own Linears")
+    assert runs["rtn"]["how"].startswith("RTN fake-quantization")
+    assert runs["gptq"]["all_quantized_kl"]["w4a16"] != pytest.approx(runs["rtn"]["all_quantized_kl"]["w4a16"],
+                                                                       rel=1e-3)
+
+
 def torch_finite(model) -> bool:
     import torch
 

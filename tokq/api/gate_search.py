@@ -82,7 +82,7 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
         held_dir = _write_documents(held_out, scratch / "held_out")
         base_settings = QuantizeSettings(**{**settings_keys, "calib": choice_dir})
         sensitivity, costs, sizes, all_quantized = _measure(base, choice, settings_keys["mix"], base_settings,
-                                                            folder, runtime)
+                                                            folder, runtime, choice_dir)
         scaled, _low, calibration = calibrate(costs, sizes, all_quantized)
         # a point with every Linear at 16 bits is the base itself, not a quantized build
         points = thin_by_kl([p for p in frontier_points(frontier(scaled, sizes, FRONTIER_POINTS))
@@ -115,6 +115,7 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
             record.note = "no build judged passed on the held-out documents; the widest one judged was built"
         record.chosen = chosen
         record_json = {**record.to_json(), "calibration": calibration, "sensitivity_seconds": sensitivity.seconds,
+                       "sensitivity_notes": sensitivity.notes,
                        "margin": MARGIN, "search_rules": {rule: {str(b or "overall"): t for b, t in by.items()}
                                                           for rule, by in search_settings.thresholds.items()}}
         run_quantize(str(base), target, base_settings, layer_assignment=points[chosen].assignment, force=force,
@@ -125,12 +126,15 @@ def build_for_gate(base: Path, name: str, recipe: dict, target: Path, data_set, 
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime):
+def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime, choice_dir: Path):
     """(SensitivityResult, costs, sizes, all-quantized KL) of the mix's formats on windows of the choice documents:
-    what `tokq quantize --mix` measures (api.quantize_mix), on the fp32 base."""
+    what `tokq quantize --mix` measures (api.quantize_mix), on the fp32 base; GPTQ's own Linears for GPTQ,
+    calibrated on the choice documents as its builds are."""
+    from tokq.api.quantize import method_options
     from tokq.api.quantize_mix import (
         MIX_WINDOW,
         SENSITIVITY_WINDOWS,
+        method_cost_weights,
         mix_costs,
         mix_sizes,
         mix_windows,
@@ -141,7 +145,9 @@ def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime):
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.layer_schemes import parse_mix
+    from tokq.quantization.pipeline import NEEDS_CALIBRATION
 
     config = read_config(base)
     formats = parse_mix(mix, settings.method, config)
@@ -149,7 +155,15 @@ def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime):
     window = min(settings.seq_len, MIX_WINDOW, config.max_position_embeddings)
     windows = mix_windows(choice, tokenizer, model_adds_bos(tokenizer), window, SENSITIVITY_WINDOWS, "choice", folder)
     lm = load_model(base, dtype="fp32", device=runtime.device)
-    sens, costs, all_quantized = mix_costs(lm, windows, formats, settings.seed, sensitivity_progress())
+    calibration = None
+    if settings.method in NEEDS_CALIBRATION:
+        calibration = calibration_samples(choice_dir, tokenizer, model_adds_bos(tokenizer), settings.num_samples,
+                                          settings.seq_len, settings.seed)
+    weights = method_cost_weights(lm, settings.method, {k: v for k, v in formats.items() if v is not None},
+                                  calibration, method_options(settings))
+    sens, costs, all_quantized = mix_costs(lm, windows, formats, settings.seed, sensitivity_progress(),
+                                           weights=weights)
+    del weights
     dtype = None if settings.save_dtype == "auto" else parse_dtype(settings.save_dtype)
     sizes = mix_sizes(lm, formats, written_itemsize(config, dtype))
     return sens, costs, sizes, all_quantized

@@ -115,7 +115,6 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
     from tokq.paths import data_dir
     from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.formats.compressed_tensors import save_quantized
-    from tokq.quantization.methods.options import MethodOptions
     from tokq.quantization.pipeline import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
@@ -171,9 +170,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         elif calib is not None and not searched:
             console.print(f"[yellow]note:[/] --method {method} needs no calibration data; --calib is ignored")
 
-        options = MethodOptions(damp=s.damp)
-        if s.act_order is not None:
-            options.act_order = s.act_order
+        options = method_options(s)
         if alpha_given:
             options.alpha = alpha_value
         # Methods search and quantize in fp32 (bf16 matmuls on CPU are slow and less exact).
@@ -240,3 +237,12 @@ def _chosen_mix(mix: str, method: str, config, assignment: dict[str, str]):
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
+
+def method_options(s):
+    """The GPTQ options of QuantizeSettings `s` (damp, act_order) as the methods take them."""
+    from tokq.quantization.methods.options import MethodOptions
+
+    options = MethodOptions(damp=s.damp)
+    if s.act_order is not None:
+        options.act_order = s.act_order
+    return options

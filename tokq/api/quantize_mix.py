@@ -6,9 +6,12 @@ Steps (run_quantize calls `quantize_mixed` inside its output lock, with the dens
      gives the sensitivity windows and, for AWQ/GPTQ, the calibration windows; the held-out half the
      verification windows (SENSITIVITY_WINDOWS and VERIFY_WINDOWS windows of MIX_WINDOW tokens at most,
      round-robin over documents so that the intervals rest on as many documents as there are);
-  2. every candidate Linear's KL alone at every quantized format of the mix (mixed.sensitivity, RTN
-     fake-quantization of the fp32 model, whatever --method builds with), and the KL with all of them at
-     each format, which calibrates the additive model (mixed.search);
+  2. every candidate Linear's KL alone at every quantized format of the mix (mixed.sensitivity), and the KL
+     with all of them at each format, which calibrates the additive model (mixed.search). With --method gptq
+     each format's Linears are GPTQ's own: a uniform GPTQ build of a copy at that format, dequantized
+     (mixed.method_weights; on SmolLM2-135M this halves the equal-size mix's KL against RTN costs); other
+     methods are measured with RTN fake-quantization (AWQ folds scales into the layer before: its Linears
+     cannot be measured alone);
   3. the search (mixed.search.search_mix): each round quantizes a copy of the fp32 model with the chosen
      LayerSchemes and --method, writes it to a scratch folder next to --out (`.NAME.mix-*`), loads it back
      and measures KL(base ‖ build) on the held-out windows (mixed.verify: full vocabulary, fp32, document
@@ -148,6 +151,24 @@ def mix_costs(lm, choice_windows, formats: dict, seed: int, on_step=None, weight
     return sens, costs, {f: est["kl"].value for f, est in sens.all_quantized.items()}
 
 
+def method_cost_weights(lm, run_method: str, schemes: dict, calibration, options) -> dict | None:
+    """Format -> Linear -> dense weight of a uniform `run_method` build of a copy of `lm`, for methods whose
+    Linears can be measured one at a time and whose rounding differs from RTN's (GPTQ); None for the others."""
+    from tokq.mixed.method_weights import PER_LINEAR_METHODS, dequantized_linears
+    from tokq.quantization.pipeline import quantize_model
+
+    if run_method not in PER_LINEAR_METHODS or run_method == "rtn":
+        return None
+    out = {}
+    for fmt, scheme in schemes.items():
+        console.print(f"--mix costs: a uniform {run_method} build at {fmt}, its Linears measured one at a time")
+        build = copy.deepcopy(lm)
+        quantize_model(build, run_method, scheme, calibration, options)
+        out[fmt] = dequantized_linears(build)
+        del build
+    return out
+
+
 def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, run_method: str, options, limits,
                    dtype, provenance: dict) -> MixedBuild:
     """Choose, build, verify and write the mix (module docstring). `lm` is the dense fp32 model; it is not
@@ -202,7 +223,11 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
                   f"{len(choice_windows)} windows of {len(choice)} choice documents; builds verified on "
                   f"{len(held_windows)} windows of {len(held_out)} held-out documents")
     on_step = sensitivity_progress()
-    sens, costs, all_quantized = mix_costs(lm, choice_windows, formats, s.seed, on_step)
+    weights = method_cost_weights(lm, run_method, schemes, calibration, options)
+    cost_source = (f"{run_method}'s own Linears (a uniform {run_method} build per format, dequantized)" if weights
+                   else "RTN fake-quantization") + " of the fp32 model, each Linear alone"
+    sens, costs, all_quantized = mix_costs(lm, choice_windows, formats, s.seed, on_step, weights=weights)
+    del weights
     notes: list[str] = []
 
     heldout = HeldOutKL(lm, held_windows, seed=s.seed)
@@ -250,8 +275,8 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
                "split": {"data": str(data), "seed": s.seed, "held_out_fraction": HELD_OUT_FRACTION,
                          "by": "sha256 of each document's name (mixed.splits)",
                          "choice_documents": len(choice), "held_out_documents": len(held_out)},
-               "sensitivity": {"windows": sens.windows, "seconds": sens.seconds, "how": "RTN fake-quantization "
-                               "of the fp32 model, each Linear alone", "all_quantized_kl": all_quantized},
+               "sensitivity": {"windows": sens.windows, "seconds": sens.seconds, "how": cost_source,
+                               "all_quantized_kl": all_quantized},
                "verification": {**heldout.describe(), "chosen": verified[chosen]}}
         final = {**provenance, "result": run.to_json(), "mix": mix}
         started = time.perf_counter()
