@@ -145,6 +145,7 @@ def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime, choi
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.mixed.method_weights import measured_with_own_rounding
     from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.layer_schemes import parse_mix
     from tokq.quantization.pipeline import NEEDS_CALIBRATION
@@ -156,7 +157,7 @@ def _measure(base: Path, choice, mix: str, settings, folder: Path, runtime, choi
     windows = mix_windows(choice, tokenizer, model_adds_bos(tokenizer), window, SENSITIVITY_WINDOWS, "choice", folder)
     lm = load_model(base, dtype="fp32", device=runtime.device)
     calibration = None
-    if settings.method in NEEDS_CALIBRATION:
+    if measured_with_own_rounding(settings.method) and settings.method in NEEDS_CALIBRATION:  # only its builds use it
         calibration = calibration_samples(choice_dir, tokenizer, model_adds_bos(tokenizer), settings.num_samples,
                                           settings.seq_len, settings.seed)
     weights = method_cost_weights(lm, settings.method, {k: v for k, v in formats.items() if v is not None},

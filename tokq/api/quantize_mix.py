@@ -154,10 +154,10 @@ def mix_costs(lm, choice_windows, formats: dict, seed: int, on_step=None, weight
 def method_cost_weights(lm, run_method: str, schemes: dict, calibration, options) -> dict | None:
     """Format -> Linear -> dense weight of a uniform `run_method` build of a copy of `lm`, for methods whose
     Linears can be measured one at a time and whose rounding differs from RTN's (GPTQ); None for the others."""
-    from tokq.mixed.method_weights import PER_LINEAR_METHODS, dequantized_linears
+    from tokq.mixed.method_weights import dequantized_linears, measured_with_own_rounding
     from tokq.quantization.pipeline import quantize_model
 
-    if run_method not in PER_LINEAR_METHODS or run_method == "rtn":
+    if not measured_with_own_rounding(run_method):
         return None
     out = {}
     for fmt, scheme in schemes.items():

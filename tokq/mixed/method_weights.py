@@ -21,6 +21,12 @@ from tokq.quantization.layer_schemes import candidate_linears
 PER_LINEAR_METHODS = ("rtn", "gptq")  # methods whose Linears can be measured one at a time
 
 
+def measured_with_own_rounding(method: str) -> bool:
+    """Whether a mix built with `method` takes its costs from the method's own Linears: a per-Linear method
+    whose rounding is not RTN's (RTN's own rounding is what the sensitivity applies anyway)."""
+    return method in PER_LINEAR_METHODS and method != "rtn"
+
+
 def dequantized_linears(model) -> dict[str, torch.Tensor]:
     """Candidate Linear name -> its quantized weight dequantized to a dense fp32 [out, in] matrix, input
     columns in the model's own order (activation-ordered GPTQ stores them permuted)."""
