@@ -39,6 +39,10 @@ class QuantizeSettings:
     mix: str | None = None
     target_kl: float | None = None
     max_size_ratio: float | None = None
+    # KV-cache quantization (engine/kv_scales.py): "fp8" or "int8" calibrates per-layer K/V scales on the
+    # calibration windows and writes them (kv_cache_scheme); "attn_head" (one per KV head) or "tensor" (one per layer)
+    kv_cache: str | None = None
+    kv_cache_strategy: str = "attn_head"
 
 
 @dataclass

@@ -125,6 +125,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
     if s.act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
     check_mix_settings(s, chosen=layer_assignment is not None)  # before parse_alpha: --alpha with --mix is refused as a mix error
+    check_kv_cache_settings(s)
     alpha_given, alpha_value = parse_alpha(s.alpha, method)
     limits = read_limits(s.max_doc_mb, s.max_file_mb)
     if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
@@ -155,7 +156,8 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             raise ConfigError(f"--alpha smooths activation outliers before FP8 W8A8; scheme {resolved.name} keeps "
                               "activations in 16-bit, so there is nothing to smooth")
         calib = s.calib
-        if run_method in NEEDS_CALIBRATION and not searched:  # a search calibrates on its choice documents
+        # a search calibrates on its choice documents; KV scales are calibrated on the same windows as the weights
+        if (run_method in NEEDS_CALIBRATION or s.kv_cache) and not searched:
             if calib is None:
                 calib = data_dir() / "default"
                 if not calib.is_dir():
@@ -202,11 +204,19 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                        TimeRemainingColumn())
             with Progress(*columns, console=console, transient=False) as progress:
                 task = progress.add_task("blocks", total=blocks)
-                run = quantize_model(lm, run_method, resolved, calibration, options,
+                # RTN and fp8 take no activations; their calibration windows (drawn for --kv-cache) wait for the KV scales
+                weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
+                run = quantize_model(lm, run_method, resolved, weight_calibration, options,
                                      on_block=lambda _i: progress.advance(task))
+            kv = None
+            if s.kv_cache:
+                kv = (s.kv_cache, _calibrate_kv(lm, calibration, s))
+                provenance["kv_cache"] = {"dtype": s.kv_cache, "calibration": calibration.to_json(),
+                                          **kv[1].to_json()}
             started_save = time.perf_counter()
             provenance["result"] = run.to_json()
-            save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance)
+            save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance,
+                           kv_cache=kv)
             save_seconds = time.perf_counter() - started_save
             scheme_name = resolved.name if s.mix is None else "mixed (" + ", ".join(
                 f"{k} x{n}" for k, n in resolved.counts().items() if n) + ")"
@@ -224,6 +234,32 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
             result.variant, result.recorded_in = name, record_variant(name, out, {})
         return result
+
+
+def check_kv_cache_settings(s: QuantizeSettings) -> None:
+    """The cheap checks of --kv-cache and --kv-cache-strategy, before anything is loaded."""
+    from tokq.engine.kv_scales import KV_CACHE_TYPES, STRATEGIES
+
+    if s.kv_cache is not None and s.kv_cache not in KV_CACHE_TYPES:
+        raise ConfigError(f"--kv-cache {s.kv_cache!r}: choose {' or '.join(KV_CACHE_TYPES)}")
+    if s.kv_cache_strategy not in STRATEGIES:
+        raise ConfigError(f"--kv-cache-strategy {s.kv_cache_strategy!r}: choose {' or '.join(STRATEGIES)}")
+    if s.kv_cache is not None and s.mix is not None:
+        raise ConfigError("--kv-cache with --mix is not supported yet: build the mix first, then compare its KV cache "
+                          "with `tokq compare --b-kv-dtype fp8`")
+
+
+def _calibrate_kv(lm, calibration, s: QuantizeSettings):
+    """Per-layer, per-head K/V scales of the quantized model `lm` over the calibration windows, with progress."""
+    from tokq.quantization.kv_calibration import calibrate_kv_scales
+
+    batch = 4
+    columns = (TextColumn("KV scales"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("kv", total=-(-calibration.num_samples // batch))
+        scales = calibrate_kv_scales(lm, calibration.tokens, batch, source=f"calibrated on {calibration.source}",
+                                     on_batch=lambda _i: progress.advance(task))
+    return scales.per_tensor() if s.kv_cache_strategy == "tensor" else scales
 
 
 def _chosen_mix(mix: str, method: str, config, assignment: dict[str, str]):

@@ -75,6 +75,16 @@ def quantize_cmd(
         None, "--max-size-ratio",
         help="--mix: the lowest-KL build whose tensors take at most this fraction of the model's 16-bit size.",
     ),
+    kv_cache: str = typer.Option(
+        None, "--kv-cache",
+        help="Also quantize the KV cache: fp8 or int8, with K/V scales per layer and KV head calibrated on the "
+        "calibration windows and written as compressed-tensors' kv_cache_scheme (vLLM loads fp8).",
+    ),
+    kv_cache_strategy: str = typer.Option(
+        "attn_head", "--kv-cache-strategy",
+        help="--kv-cache scales: attn_head (one per KV head) or tensor (one per layer, for readers without "
+        "per-head KV scales).",
+    ),
     recipe_sha256: str = typer.Option(None, "--recipe-sha256", hidden=True,
                                       help="tokq gate: the hash of the recipe this build follows (recorded)."),
 ) -> None:
@@ -88,7 +98,8 @@ def quantize_cmd(
                                 act_order=act_order, damp=damp, alpha=alpha, calib=calib, num_samples=num_samples,
                                 seq_len=seq_len, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb,
                                 save_dtype=save_dtype, seed=seed, mix=mix, target_kl=target_kl,
-                                max_size_ratio=max_size_ratio)
+                                max_size_ratio=max_size_ratio, kv_cache=kv_cache,
+                                kv_cache_strategy=kv_cache_strategy)
     result = run_quantize(model, out, settings, force=force, name=name, recipe_sha256=recipe_sha256,
                           threads=threads, device=device)
     _print_summary(result)

@@ -16,6 +16,7 @@ import torch
 
 from tokq.dtypes import parse_dtype
 from tokq.engine.config import ModelConfig, read_config
+from tokq.engine.kv_scales import read_kv_scales
 from tokq.engine.layers import rope_inverse_frequencies
 from tokq.engine.models import CausalLM, build_model
 from tokq.engine.quant_formats.base import QuantFormat
@@ -38,7 +39,8 @@ from tokq.errors import ModelError
 IGNORED_SUFFIXES = (
     "rotary_emb.inv_freq",  # RoPE tables older exports save; the runtime recomputes them from config.json
 )
-# compressed-tensors' kv_cache_scheme scales: tokq keeps a 16-bit KV cache (the loader warns), so they go unread.
+# compressed-tensors' kv_cache_scheme scales: not a module's weights; load_model reads them (engine/kv_scales.py)
+# when the quantization_config declares a kv_cache_scheme, and a checkpoint without one keeps them unread.
 KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 MIN_WEIGHT_BITS = 2  # the fewest bits any supported quantized layout stores per weight
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -195,4 +197,5 @@ def load_model(
         load_weights(model, checkpoint_dir, torch_dtype)
     else:
         load_quantized_weights(model, checkpoint_dir, torch_dtype, quantization, fmt)
+    model.kv_scales = read_kv_scales(checkpoint_dir, quantization, config.num_layers, config.num_kv_heads)
     return model.eval()

@@ -1,7 +1,7 @@
 """The paged KV cache: its size arithmetic, the memory budget, and the per-layer cache tensors.
 
 Bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per value. GQA shrinks it by
-heads / kv_heads; a quantized cache (fp8, int8) halves it against 16 bits. The cache is allocated as
+heads / kv_heads; a quantized cache (fp8, int8; scales in engine/kv_scales.py) halves it against 16 bits. The cache is allocated as
 one [num_blocks, block_size, kv_heads, head_dim] tensor per layer for K and one for V (the layout
 kernels/paged.py defines), so every layer's block b holds the same positions of the same sequence.
 
@@ -25,9 +25,9 @@ from tokq.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MEMORY_FRACTION = 0.8
-# The engine's cache dtypes: tokq.dtypes.KV_DTYPE_NAMES minus int8, which needs calibrated per-head scales
-# the engine does not have yet (fp8 runs with scale 1).
-ENGINE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+# The engine's cache dtypes. int8 and fp8 divide by per-layer, per-head scales (engine/kv_scales.py): a
+# checkpoint's calibrated ones, or for fp8 without them, 1.
+ENGINE_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 

@@ -41,8 +41,8 @@ from tokq.engine.kv_cache import (
     allocate_kv_cache,
     default_kv_budget,
     format_bytes,
-    kv_dtype_named,
 )
+from tokq.engine.kv_scales import plan_kv_cache
 from tokq.engine.logprobs import keep_scores, prompt_logprobs, sampled_logprobs
 from tokq.engine.metrics import RequestMetrics, RunMetrics, peak_memory_bytes
 from tokq.engine.models import CausalLM
@@ -73,7 +73,9 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_memory: int | None = None  # bytes for the KV cache; None: the default budget (below)
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
-    kv_dtype: str | None = None  # None/"auto": the model's dtype; "fp16", "bf16", "fp32", "fp8"
+    # None/"auto": the checkpoint's calibrated KV cache dtype if it has one, else the model's; "fp16", "bf16",
+    # "fp32", "fp8", "int8"
+    kv_dtype: str | None = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -83,6 +85,8 @@ class EngineConfig:
     max_prefill_tokens_with_decode: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_kernels: str | None = None  # a TOKQ_KERNELS-style selection for attention (None: the env's)
+    # int8/fp8 caches: "auto" divides by the checkpoint's calibrated scales when it has them; "unit" by 1 (fp8)
+    kv_scales: str = "auto"
 
 
 @dataclass
@@ -144,7 +148,9 @@ class LLMEngine:
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise EngineError(f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}: "
                               "both must be >= 1")
-        self.kv_spec = KVCacheSpec.of(mc, kv_dtype_named(cfg.kv_dtype, model.dtype), cfg.block_size)
+        self.kv_plan = plan_kv_cache(cfg.kv_dtype, model.dtype, model.kv_scales, mc.num_layers,
+                                     mc.num_kv_heads, cfg.kv_scales, model.device)
+        self.kv_spec = KVCacheSpec.of(mc, self.kv_plan.dtype, cfg.block_size)
         self.window = mc.window_of_every_layer  # blocks behind it are freed as sequences advance
         self.num_blocks = self._plan_blocks()
         self.caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model.device)
@@ -152,7 +158,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.static,
                                                    cfg.chunked_prefill, cfg.max_prefill_tokens_with_decode),
                                    self.blocks)
-        self.runner = ModelRunner(model, self.kv_spec, self.caches, cfg.attention_kernels)
+        self.runner = ModelRunner(model, self.kv_spec, self.caches, cfg.attention_kernels, self.kv_plan.scales)
         eos = mc.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -36,7 +36,7 @@ class PagedAttention:
     """The attention backend over the paged cache (engine/attention.py's seam)."""
 
     def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: list[PreparedAttention],
-                 scales: tuple[torch.Tensor, torch.Tensor] | None):
+                 scales: list[tuple[torch.Tensor, torch.Tensor]] | None):
         self.caches, self.kernels, self.scales = caches, kernels, scales
         self.step: StepInputs | None = None
 
@@ -44,7 +44,7 @@ class PagedAttention:
         step = self.step
         k_cache, v_cache = self.caches[spec.layer]
         kernel = self.kernels[spec.layer]
-        k_scale, v_scale = self.scales if self.scales is not None else (None, None)
+        k_scale, v_scale = self.scales[spec.layer] if self.scales is not None else (None, None)
         kernel.write_kv(k[0], v[0], k_cache, v_cache, step.slot_mapping, k_scale, v_scale)
         out = kernel.attend(q[0], k_cache, v_cache, step.meta, spec.scale, spec.sliding_window, k_scale, v_scale)
         return out.unsqueeze(0)
@@ -52,7 +52,10 @@ class PagedAttention:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, spec: KVCacheSpec, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 attention_kernels: str | None = None):
+                 attention_kernels: str | None = None,
+                 kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """`kv_scales`: per layer (k_scale, v_scale) fp32 [kv_heads], required by an int8/fp8 cache
+        (engine/kv_scales.plan_kv_cache makes them)."""
         self.model, self.spec = model, spec
         config = model.config
         self.device = model.device
@@ -60,13 +63,11 @@ class ModelRunner:
             AttentionProblem(self.device.type, model.dtype, spec.dtype, config.num_heads, config.num_kv_heads,
                              config.head_dim, spec.block_size, config.layer_window(layer)), attention_kernels)
             for layer in range(config.num_layers)]
-        scales = None
-        if spec.dtype in QUANT_KV_DTYPES:
-            # No calibrated KV scales yet: fp8 uses scale 1 per head (values up to 448 stay exact in range),
-            # the same default vLLM applies to an fp8 cache without checkpoint scales.
-            ones = torch.ones(config.num_kv_heads, dtype=torch.float32, device=self.device)
-            scales = (ones, ones.clone())
-        self.backend = PagedAttention(caches, self.kernels, scales)
+        if (spec.dtype in QUANT_KV_DTYPES) != (kv_scales is not None):
+            raise ValueError(f"a {spec.dtype} KV cache {'needs' if kv_scales is None else 'takes no'} KV scales")
+        if kv_scales is not None and len(kv_scales) != config.num_layers:
+            raise ValueError(f"{len(kv_scales)} layers of KV scales for a {config.num_layers}-layer model")
+        self.backend = PagedAttention(caches, self.kernels, kv_scales)
 
     @property
     def kernel_names(self) -> list[str]:

@@ -35,6 +35,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.name = config.architecture  # load_model sets the checkpoint folder: errors name the model by it
+        # calibrated KV-cache scales (engine/kv_scales.KVScales): load_model reads a checkpoint's, quantize sets them
+        self.kv_scales = None
         self.model = DecoderStack(config, make_layer)
         self.lm_head = Linear(config.hidden_size, [("lm_head", config.vocab_size)])
         if config.tie_word_embeddings:

@@ -136,8 +136,6 @@ class CompressedTensorsFormat(QuantFormat):
             raise ModelError(f"{where}: sparse compressed-tensors checkpoints are not supported")
         if qc.get("transform_config") and qc["transform_config"].get("config_groups"):
             raise ModelError(f"{where}: compressed-tensors transforms (rotations) are not supported")
-        if qc.get("kv_cache_scheme"):
-            log.warning("%s: kv_cache_scheme is ignored; tokq keeps the KV cache in 16 bits", where)
         self.groups = []
         for gname, group in (qc.get("config_groups") or {}).items():
             gfmt = group.get("format") or fmt

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 
 from tokq import __version__ as TOKQ_VERSION
 from tokq.dtypes import HF_DTYPE_NAMES, HF_DTYPES
+from tokq.engine.kv_scales import KVScales, kv_cache_scheme, kv_scale_tensors
 from tokq.engine.layers import Linear
 from tokq.engine.models import CausalLM
 from tokq.engine.quant_linear import QuantizedLinearMethod
@@ -252,12 +253,14 @@ def save_quantized(
     dtype: torch.dtype | None = None,
     force: bool = False,
     provenance: dict | None = None,
+    kv_cache: tuple[str, KVScales] | None = None,
 ) -> Path:
     """Write `model` (its quantized Linears as made by `quantize_model`) as a compressed-tensors checkpoint.
 
     `source_dir`: the checkpoint the model was loaded from; its tokenizer files are copied.
     `dtype`: for scales and unquantized tensors; default the source checkpoint's dtype (bf16 if unknown).
     `provenance`: what produced it (method, calibration, versions); written to tokq_quantization.json.
+    `kv_cache`: ("fp8" or "int8", calibrated KVScales): written as kv_cache_scheme and per-layer k_scale/v_scale.
     The directory appears complete or not at all; an existing one is replaced only with `force=True`, and only
     if tokq wrote it as a checkpoint with nothing added since (outputs.check_replaceable).
     """
@@ -282,6 +285,10 @@ def save_quantized(
     raw.pop("quantization_config", None)
     raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
     raw["quantization_config"] = quantization_config(scheme, ignore, targets)
+    if kv_cache is not None:
+        kv_name, kv_scales = kv_cache
+        raw["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(kv_name, kv_scales.strategy)
+        tensors.update(kv_scale_tensors(kv_scales, kv_name))
     with atomic_directory(out_dir, CHECKPOINT, "tokq quantize") as tmp:
         _write_safetensors(tensors, tmp)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
