@@ -151,6 +151,8 @@ def test_probes_and_a_kv_cache_difference(capsys, models, docs, tmp_path):
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["kv_dtype"] == {"a": "auto", "b": "fp8"}
+    assert result["kv_cache"]["b"]["dtype"] == "fp8_e4m3fn" and result["kv_cache"]["b"]["scales"].startswith(
+        "fp8 KV with scale 1")  # the checkpoint has no calibrated scales: the report says so
     assert result["decode"]["overall"]["kl"]["value"] > 100 * max(result["noise_floor"]["kl_mean"], 1e-9)
     probes = result["probes"]
     assert probes["n"] == 1 * 3 * 2 and probes["a_right_b_wrong"] + probes["a_wrong_b_right"] <= probes["n"]

@@ -119,7 +119,10 @@ def test_plan_kv_cache_choices():
     assert torch.allclose(as_int8.scales[2][1], torch.full((heads,), 0.01))
     unit = plan_kv_cache("fp8", torch.float32, scales, layers, heads, use_scales="unit")
     assert bool((unit.scales[1][0] == 1).all()) and "scale 1" in unit.scales_note
-    assert plan_kv_cache("auto", torch.bfloat16, scales, layers, heads, use_scales="unit").dtype == torch.bfloat16
+    unit_auto = plan_kv_cache("auto", torch.bfloat16, scales, layers, heads, use_scales="unit")
+    assert unit_auto.dtype == torch.float8_e4m3fn and bool((unit_auto.scales[0][1] == 1).all())
+    with pytest.raises(ConfigError, match="--kv-scales unit applies to an fp8 cache"):
+        plan_kv_cache("int8", torch.bfloat16, scales, layers, heads, use_scales="unit")
     assert plan_kv_cache("auto", torch.bfloat16, None, layers, heads).scales is None
     assert plan_kv_cache("fp8", torch.float32, None, layers, heads).scales_note.startswith("fp8 KV with scale 1")
     with pytest.raises(ConfigError, match="int8 needs calibrated KV scales"):
@@ -235,3 +238,25 @@ def test_kv_scale_tensors_layout():
     assert float(head["model.layers.0.self_attn.v_scale"].flatten()[1]) > 0  # a never-seen head keeps a positive scale
     tensor = kv_scale_tensors(scales.per_tensor(), "fp8")
     torch.testing.assert_close(tensor["model.layers.0.self_attn.k_scale"], torch.tensor([2 / 448]))
+
+
+def test_compare_uses_the_checkpoints_scales_and_says_so(tiny, tmp_path, capsys):
+    """`tokq compare base kvq` runs B on its calibrated fp8 cache (kv-dtype auto) and names the scales; with
+    --b-kv-scales unit the same checkpoint runs on scale 1 and the report says that instead."""
+    checkpoint, docs = tiny
+    out = tmp_path / "kvq"
+    assert run(capsys, "quantize", "--method", "rtn", "--scheme", "w8a16", "--model", checkpoint, "--out", out,
+               "--calib", docs, "--num-samples", 4, "--seq-len", 64, "--kv-cache", "fp8")[0] == 0
+    results = {}
+    for scales in ("auto", "unit"):
+        path = tmp_path / f"{scales}.json"
+        code, text = run(capsys, "compare", checkpoint, out, "--data", docs, "--window", 64, "--threads", 1,
+                         "--dtype", "fp32", "--no-probes", "--decode-windows", 1, "--decode-tokens", 8,
+                         "--resamples", 50, "--b-kv-scales", scales, "--json", path)
+        assert code == 0, text
+        results[scales] = json.loads(path.read_text())
+        assert results[scales]["kv_cache"]["b"]["dtype"] == "fp8_e4m3fn"
+    assert "calibrated fp8 scales (attn_head) from the checkpoint" in results["auto"]["kv_cache"]["b"]["scales"]
+    assert "scale 1" in results["unit"]["kv_cache"]["b"]["scales"]
+    kl = {k: r["prefill"]["overall"]["kl"]["value"] for k, r in results.items()}
+    assert kl["auto"] != kl["unit"]

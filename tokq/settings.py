@@ -67,8 +67,9 @@ class CompareSettings:
     resamples: int = 1000
     use_cache: bool = True
     dtype: str = "auto"
-    kv_dtype: str = "auto"
+    kv_dtype: str = "auto"  # "auto": a checkpoint's calibrated int8/fp8 cache when it has one, else the compute dtype
     b_kv_dtype: str | None = None
+    b_kv_scales: str = "auto"  # B's int8/fp8 cache: "auto" (its checkpoint's calibrated scales) or "unit" (scale 1)
     kv_memory: str | None = None
     strict: bool = False
     max_doc_mb: float = DEFAULT_MAX_DOC_MB

@@ -188,10 +188,12 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     engine_len = max(window, probe_ctx + 16)
     _check_power(s, probe_ctx, min(engine_len, context) if s.probes else None, len(used))
 
-    def loader(checkpoint: Path, tokenizer, cache_dtype: str):
+    kv_caches: dict[str, dict] = {}  # per side: the cache dtype and where its scales came from
+
+    def loader(side: str, checkpoint: Path, tokenizer, cache_dtype: str, kv_scales: str = "auto"):
         return engine_loader(checkpoint, tokenizer, dtype=compute, device=runtime.device,
                              max_model_len=min(engine_len, context), kv_memory=budget, kv_dtype=cache_dtype,
-                             window=window)
+                             window=window, kv_scales=kv_scales, described=kv_caches.setdefault(side, {}))
 
     plan = ScoringPlan(window=window, stride=windows.stride, max_tokens=s.max_tokens, topk=topk,
                        full_kl_rows=s.full_kl_rows, decode_windows=s.decode_windows,
@@ -207,14 +209,17 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
             task = progress.add_task(label, total=total)
             return lambda n: progress.advance(task, n)
 
-        result = run_compare(ModelRun(a, ckpt_a, loader(ckpt_a, tok_a, s.kv_dtype), tok_a),
-                             ModelRun(b, ckpt_b, loader(ckpt_b, tok_b, s.b_kv_dtype or s.kv_dtype), tok_b),
+        result = run_compare(ModelRun(a, ckpt_a, loader("a", ckpt_a, tok_a, s.kv_dtype), tok_a),
+                             ModelRun(b, ckpt_b, loader("b", ckpt_b, tok_b, s.b_kv_dtype or s.kv_dtype, s.b_kv_scales),
+                                      tok_b),
                              windows, token_window_docs(windows), plan,
                              probe_documents=[d for d in docs.documents if d.doc_id in used][:50], progress=track)
     result["data"] = {"path": str(data), "documents": len(docs.documents), "skipped": len(docs.skipped),
                       "shorter_than_window": shorter, "windowed": len(used) - shorter}
     result["runtime"] = runtime.to_json()
     result["kv_dtype"] = {"a": s.kv_dtype, "b": s.b_kv_dtype or s.kv_dtype}
+    # what each side's cache was (A's may come from the baseline cache and then was not loaded this run)
+    result["kv_cache"] = {side: kv_caches[side] for side in ("a", "b") if kv_caches.get(side)}
     return CompareResult(result)
 
 

@@ -38,15 +38,21 @@ def document_windows(data: Path | None, tokenizer, window: int, s, limits):
 
 
 def engine_loader(checkpoint: Path, tokenizer, *, dtype: str, device, max_model_len: int, kv_memory: int | None,
-                  kv_dtype: str, window: int) -> Callable:
+                  kv_dtype: str, window: int, kv_scales: str = "auto", described: dict | None = None) -> Callable:
     """A function that loads the checkpoint into an engine sized for scoring windows (called when its turn
-    comes, so the two models of a compare are never loaded at once)."""
+    comes, so the two models of a compare are never loaded at once). `described`, when given, is filled with
+    the cache the engine chose: its dtype and where an int8/fp8 cache's scales came from."""
 
     def load():
+        from tokq.dtypes import dtype_name
         from tokq.engine.checkpoint import load_model
         from tokq.engine.llm_engine import EngineConfig, LLMEngine
 
         model = load_model(checkpoint, dtype=dtype, device=device)
-        return LLMEngine(model, EngineConfig(max_model_len=max_model_len, kv_memory=kv_memory, kv_dtype=kv_dtype,
-                                             max_num_seqs=4, max_num_batched_tokens=max(2048, window)), tokenizer)
+        engine = LLMEngine(model, EngineConfig(max_model_len=max_model_len, kv_memory=kv_memory, kv_dtype=kv_dtype,
+                                               max_num_seqs=4, max_num_batched_tokens=max(2048, window),
+                                               kv_scales=kv_scales), tokenizer)
+        if described is not None:
+            described.update({"dtype": dtype_name(engine.kv_plan.dtype), "scales": engine.kv_plan.scales_note})
+        return engine
     return load

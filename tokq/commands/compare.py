@@ -97,9 +97,12 @@ def compare_cmd(
     resamples: int = typer.Option(1000, "--resamples", help="Bootstrap resamples for the 95% CIs."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Score A again instead of reading its cached scores."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for both models: auto, fp16, bf16, fp32, fp8."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for both models: auto (a checkpoint's "
+                                 "calibrated int8/fp8 cache, else the compute dtype), fp16, bf16, fp32, fp8, int8."),
     b_kv_dtype: str = typer.Option(None, "--b-kv-dtype", help="B's KV cache dtype when it differs from A's (e.g. "
                                                               "fp8: compare a model with itself on an fp8 cache)."),
+    b_kv_scales: str = typer.Option("auto", "--b-kv-scales", help="B's int8/fp8 KV scales: auto (the checkpoint's "
+                                    "calibrated ones, from `tokq quantize --kv-cache`) or unit (scale 1, fp8 only)."),
     kv_memory: str = typer.Option(None, "--kv-memory", help="KV cache budget per model (e.g. 2GiB)."),
     strict: bool = typer.Option(False, "--strict", help="Fail on unreadable or binary files instead of skipping them."),
     max_doc_mb: float = typer.Option(DEFAULT_MAX_DOC_MB, "--max-doc-mb", help=MAX_DOC_MB_HELP),
@@ -145,7 +148,7 @@ def compare_cmd(
                  probes=probes, probe_max_context=probe_max_context, probe_depths=probe_depths,
                  probe_repeats=probe_repeats, thresholds=thresholds, threshold_on=threshold_on,
                  resamples=resamples, use_cache=not no_cache, dtype=dtype, kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype,
-                 kv_memory=kv_memory, strict=strict, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb, seed=seed,
+                 b_kv_scales=b_kv_scales, kv_memory=kv_memory, strict=strict, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb, seed=seed,
                  max_concurrency=max_concurrency)
     folder, set_keys = resolve_data(data)
     defaults = {f.name: f.default for f in fields(CompareSettings)}

@@ -1,10 +1,11 @@
 """The block pool: ref-counted KV blocks, allocated to sequences on demand, with prefix caching.
 
-Sliding windows: when every layer of the model attends within a window W, a block whose positions
-all lie W or more behind the next query can never be read again; `drop_outside_window` frees it at
-once and leaves the placeholder `DROPPED` in the block table (positions keep their index; kernels
-start reading at the window, so the placeholder is never dereferenced). A model with some global
-layers (Gemma 3) keeps every block: those layers read the whole context.
+One BlockManager is one pool of blocks for one group of layers (engine/kv_pools.py groups the layers by
+window; a sequence has one block table per pool). Sliding windows: when the pool's layers attend within a
+window W, a block whose positions all lie W or more behind the next query can never be read again;
+`drop_outside_window` frees it at once and leaves the placeholder `DROPPED` in the block table
+(positions keep their index; kernels start reading at the window, so the placeholder is never
+dereferenced). The pool of global layers (Gemma 3's full-attention ones) keeps every block.
 
 Blocks are handed out as a sequence's computation reaches them (chunked prefill allocates only the
 blocks of the chunk being run), so a sequence never holds more than one partly-filled block: the
@@ -30,8 +31,8 @@ DROPPED = -1  # a block-table entry whose block fell out of the window and went 
 
 
 def blocks_held_at_most(tokens: int, block_size: int, window: int | None, chunk: int) -> int:
-    """The most blocks one sequence of `tokens` tokens holds at once: all of them, or, when every layer
-    slides, its window plus one step's chunk of `chunk` tokens (block-aligned)."""
+    """The most blocks one sequence of `tokens` tokens holds at once in one pool: all of them, or, when the
+    pool's layers slide, its window plus one step's chunk of `chunk` tokens (block-aligned)."""
     full = -(-tokens // block_size)
     if window is None:
         return full
@@ -61,7 +62,11 @@ class BlockStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, group: int = 0,
+                 window: int | None = None):
+        """`group`: which of a sequence's block tables this pool fills (engine/kv_pools.py: one pool per group
+        of layers sharing a window); `window`: that group's sliding window (None: the layers read everything)."""
+        self.group, self.window = group, window
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -84,9 +89,13 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
+    def table(self, seq: Sequence) -> list[int]:
+        """The sequence's block table in this pool."""
+        return seq.table(self.group)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         want = -(-(seq.num_computed + num_new_tokens) // self.block_size)
-        return max(0, want - len(seq.block_table))
+        return max(0, want - len(self.table(seq)))
 
     # Allocation -----------------------------------------------------------------------------------
 
@@ -108,7 +117,8 @@ class BlockManager:
     def admit(self, seq: Sequence) -> int:
         """Prefix-cache lookup for a sequence that holds no blocks: take the cached full blocks its
         tokens start with (leaving at least one token to compute)."""
-        assert not seq.block_table and seq.num_computed == 0
+        table = self.table(seq)
+        assert not table and seq.num_computed == 0
         self._hashes[seq.seq_id] = _SeqHashes()
         if not self.enable_prefix_caching or seq.needs_every_position:
             return 0  # scoring or prompt logprobs need the logits of every position: nothing may be skipped
@@ -119,35 +129,65 @@ class BlockManager:
         for i in range(usable):
             chunk = tuple(tokens[i * bs: (i + 1) * bs])
             h = self._chain(state.last, chunk)
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].tokens != chunk:
+            block_id = self.lookup(h, chunk)
+            if block_id is None:
                 break
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
+            self._hold(block_id)
+            table.append(block_id)
             state.blocks, state.last = i + 1, h
-        hit = len(seq.block_table) * bs
+        hit = len(table) * bs
         seq.num_computed = hit
         seq.num_cached_tokens += hit
         self.stats.prefix_hit_tokens += hit
         return hit
 
+    def lookup(self, h: int, chunk: tuple[int, ...]) -> int | None:
+        """The cached block holding `chunk` under chain hash `h` (its tokens verified), or None."""
+        block_id = self.cached.get(h)
+        if block_id is None or self.blocks[block_id].tokens != chunk:
+            return None
+        return block_id
+
+    def _hold(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def take_cached(self, seq: Sequence, found: list[int | None], hit_blocks: int, first: int,
+                    last_hash: int | None) -> None:
+        """Admit `seq` with its first `hit_blocks` blocks from the prefix cache, holding only blocks
+        first .. hit_blocks - 1 (`found[i]`, looked up by `lookup`); the ones before `first` are out of this
+        pool's window and enter the table as DROPPED. Prefix statistics are the caller's (kv_pools.KVPools)."""
+        table = self.table(seq)
+        assert not table and seq.num_computed == 0
+        for i in range(hit_blocks):
+            if i < first:
+                table.append(DROPPED)
+                continue
+            block_id = found[i]
+            assert block_id is not None
+            self._hold(block_id)
+            table.append(block_id)
+        self._hashes[seq.seq_id] = _SeqHashes(hit_blocks, last_hash)
+
     def undo_admit(self, seq: Sequence, hit: int) -> None:
         """Give back what `admit` took when the sequence cannot start this step after all."""
+        counted = self.enable_prefix_caching and not seq.needs_every_position  # admit counted its query
         self.release(seq)
         seq.num_cached_tokens -= hit
         self.stats.prefix_hit_tokens -= hit
-        self.stats.prefix_query_tokens -= len(seq.token_ids)
+        if counted:
+            self.stats.prefix_query_tokens -= len(seq.token_ids)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` the blocks its next `num_new_tokens` tokens need (call can_append first)."""
+        table = self.table(seq)
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free())
+            table.append(self._take_free())
 
     def computed(self, seq: Sequence) -> None:
         """After a step advanced seq.num_computed: hash and record its newly full blocks."""
@@ -155,11 +195,12 @@ class BlockManager:
             return
         state = self._hashes.setdefault(seq.seq_id, _SeqHashes())
         bs = self.block_size
-        full = min(seq.num_computed // bs, len(seq.block_table))
+        table = self.table(seq)
+        full = min(seq.num_computed // bs, len(table))
         for i in range(state.blocks, full):
             chunk = tuple(seq.token_ids[i * bs: (i + 1) * bs])
             h = self._chain(state.last, chunk)
-            block = self.blocks[seq.block_table[i]] if seq.block_table[i] != DROPPED else None
+            block = self.blocks[table[i]] if table[i] != DROPPED else None
             if block is not None and block.hash is None and h not in self.cached:
                 block.hash, block.tokens = h, chunk
                 self.cached[h] = block.block_id
@@ -176,9 +217,9 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's blocks (finished or preempted); cached ones stay reusable until evicted."""
-        for block_id in reversed(seq.block_table):  # the tail is evicted before the shared head
+        for block_id in reversed(self.table(seq)):  # the tail is evicted before the shared head
             self._unref(block_id)
-        seq.block_table = []
+        seq.set_table(self.group, [])
         seq.num_computed = 0
         self._hashes.pop(seq.seq_id, None)
 
@@ -188,11 +229,12 @@ class BlockManager:
         query is at seq.num_computed or later."""
         first_visible = seq.num_computed - window + 1
         freed = 0
+        table = self.table(seq)
         for i in range(max(0, first_visible) // self.block_size):  # blocks ending before first_visible
-            if seq.block_table[i] == DROPPED:
+            if table[i] == DROPPED:
                 continue
-            self._unref(seq.block_table[i])
-            seq.block_table[i] = DROPPED
+            self._unref(table[i])
+            table[i] = DROPPED
             freed += 1
         return freed
 
@@ -204,7 +246,7 @@ class BlockManager:
         bs = self.block_size
         for seq in running:
             held = seq.num_computed
-            for i, block_id in enumerate(seq.block_table):
+            for i, block_id in enumerate(self.table(seq)):
                 if block_id == DROPPED:
                     continue
                 used[block_id] = max(used.get(block_id, 0), min(bs, max(0, held - i * bs)))

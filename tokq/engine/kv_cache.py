@@ -3,7 +3,10 @@
 Bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per value. GQA shrinks it by
 heads / kv_heads; a quantized cache (fp8, int8; scales in engine/kv_scales.py) halves it against 16 bits. The cache is allocated as
 one [num_blocks, block_size, kv_heads, head_dim] tensor per layer for K and one for V (the layout
-kernels/paged.py defines), so every layer's block b holds the same positions of the same sequence.
+kernels/paged.py defines). Layers are grouped by their sliding window (`layer_groups`: Gemma 3's full
+layers, its sliding ones); each group has its own pool of blocks (engine/kv_pools.py), so a layer's
+num_blocks is its group's, and block b of every layer in a group holds the same positions of the same
+sequence. A sliding group's pool only needs each sequence's window (plus a step's chunk).
 
 The budget: `--kv-memory` when given, else what keeps the process's total use under a fraction
 (default 80%) of the device's memory: on a GPU its total memory minus what torch has allocated (the
@@ -15,7 +18,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,6 +86,33 @@ class KVCacheSpec:
         return budget_bytes // self.bytes_per_block
 
 
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that attend within the same window: they share one block pool and one block table per sequence."""
+
+    name: str  # "full" (global attention) or "sliding" ("sliding-W" when a model has several windows)
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def layer_groups(config: ModelConfig) -> list[LayerGroup]:
+    """The model's layers grouped by window: the global layers first, then each window, smallest first."""
+    by_window: dict[int | None, list[int]] = {}
+    for layer in range(config.num_layers):
+        by_window.setdefault(config.layer_window(layer), []).append(layer)
+    windows = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    several = sum(w is not None for w in windows) > 1
+
+    def name(w: int | None) -> str:
+        return "full" if w is None else f"sliding-{w}" if several else "sliding"
+    return [LayerGroup(name(w), w, tuple(by_window[w])) for w in windows]
+
+
+def group_spec(spec: KVCacheSpec, group: LayerGroup) -> KVCacheSpec:
+    """The cache spec of one group's layers (its bytes per token and per block)."""
+    return replace(spec, num_layers=len(group.layers))
+
+
 def available_memory(device: torch.device) -> tuple[int, int]:
     """(total bytes, bytes the process may still use) of the device's memory."""
     if device.type == "cuda":
@@ -109,11 +140,19 @@ def default_kv_budget(device: torch.device, fraction: float = DEFAULT_MEMORY_FRA
     return max(0, int(available * fraction))
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed K and V caches, one pair per layer (zeros: a never-written slot reads as 0, not NaN)."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)]
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int | Sequence[int],
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed K and V caches, one pair per layer (zeros: a never-written slot reads as 0, not NaN).
+    `num_blocks`: one count for every layer, or one per layer (its group's pool)."""
+    counts = [num_blocks] * spec.num_layers if isinstance(num_blocks, int) else list(num_blocks)
+    if len(counts) != spec.num_layers:
+        raise ValueError(f"{len(counts)} block counts for {spec.num_layers} layers")
+    caches = []
+    for n in counts:
+        shape = (n, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        caches.append((torch.zeros(shape, dtype=spec.dtype, device=device),
+                       torch.zeros(shape, dtype=spec.dtype, device=device)))
+    return caches
 
 
 def format_bytes(n: float) -> str:

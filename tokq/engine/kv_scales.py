@@ -182,7 +182,7 @@ def plan_kv_cache(kv_dtype: str | None, model_dtype: torch.dtype, scales: KVScal
     if use_scales not in KV_SCALE_CHOICES:
         raise ConfigError(f"--kv-scales {use_scales!r}: choose {' or '.join(KV_SCALE_CHOICES)}")
     if kv_dtype in (None, "auto"):
-        if scales is None or scales.kv_cache is None or use_scales == "unit":
+        if scales is None or scales.kv_cache is None:
             return KVCachePlan(model_dtype, None, None)
         kv_dtype = scales.kv_cache
     dtype = kv_dtype_named(kv_dtype, model_dtype)
@@ -194,6 +194,9 @@ def plan_kv_cache(kv_dtype: str | None, model_dtype: torch.dtype, scales: KVScal
                               f"model has [{num_layers}, {num_kv_heads}]: they belong to another model")
         return KVCachePlan(dtype, scales.scales_for(dtype, device), f"{kv_dtype} KV, {scales.source}")
     if dtype == torch.int8:
+        if scales is not None:
+            raise ConfigError("--kv-scales unit applies to an fp8 cache; an int8 cache needs its calibrated scales: "
+                              "use --kv-scales auto or --kv-dtype fp8")
         raise ConfigError("--kv-dtype int8 needs calibrated KV scales and this checkpoint has none: quantize it with "
                           "`tokq quantize ... --kv-cache int8` (or use --kv-dtype fp8)")
     ones = torch.ones(num_kv_heads, dtype=torch.float32, device=device)

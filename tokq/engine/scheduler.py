@@ -14,8 +14,9 @@ makes their time between tokens spike. A step with no decode keeps the whole bud
 chunk boundaries (the same tokens are computed, so outputs do not change), and the oldest prompt still
 gets at least the cap every step, so a long prompt always finishes.
 
-When the pool has no block for a running sequence's next piece, the most recently admitted running
-sequence is preempted by recompute: its blocks are freed and it goes back to the front of the queue,
+Blocks come from the KV pools (engine/kv_pools.py: one per group of layers sharing a window); a piece runs
+only when every pool has room for it. When a pool has no block for a running sequence's next piece, the
+most recently admitted running sequence is preempted by recompute: its blocks are freed and it goes back to the front of the queue,
 to be run again from its prompt plus what it generated (never lost, never a crash). A sequence that
 could not fit even with the pool to itself is refused when it is added (the engine checks).
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokq.engine.block_manager import BlockManager
+from tokq.engine.kv_pools import KVPools
 from tokq.engine.sequence import Sequence, Status
 
 
@@ -64,7 +65,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: KVPools):
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()

@@ -6,6 +6,9 @@ next steps must run. A sequence is in prefill while num_computed < len(token_ids
 prompt tokens unrun; it samples a token whenever a step leaves num_computed == len(token_ids).
 Preemption by recompute frees the blocks and sets num_computed back to 0: the prompt and the tokens
 generated so far are run again as one longer prompt, so nothing generated is lost.
+
+`block_tables` holds one block table per KV pool (engine/kv_pools.py: one pool per group of layers that
+share a window); `block_table` is the first one, the only one of a model whose layers all share a window.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_prompt_tokens: int = 0
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per KV pool (layer group)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (all admissions)
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -90,6 +93,25 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def table(self, group: int) -> list[int]:
+        """The block table of KV pool `group` (created empty on first use)."""
+        while len(self.block_tables) <= group:
+            self.block_tables.append([])
+        return self.block_tables[group]
+
+    def set_table(self, group: int, table: list[int]) -> None:
+        self.table(group)
+        self.block_tables[group] = table
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first pool's block table (a single-pool model's only one)."""
+        return self.table(0)
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.set_table(0, table)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -105,6 +105,9 @@ def compare_markdown(result: dict) -> str:
         pre = result["prefill"]["overall"].get(m)
         dec = (result.get("decode") or {}).get("overall", {}).get(m)
         lines.append(f"| {METRIC_LABELS[m]} | {_ci(pre, m) if pre else '-'} | {_ci(dec, m) if dec else '-'} |")
+    for side, cache in (result.get("kv_cache") or {}).items():
+        if cache.get("scales"):  # only an int8/fp8 cache is worth a line: its scales decide its error
+            lines += ["", f"{result[side]['name']}'s KV cache: {cache['scales']}."]
     floor = result.get("noise_floor")
     if floor:
         lines += ["", f"Noise floor ({floor['what']}): mean KL {floor['kl_mean']:.2e}, top-1 {floor['top1']:.2%} "
