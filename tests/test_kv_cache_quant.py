@@ -260,3 +260,27 @@ def test_compare_uses_the_checkpoints_scales_and_says_so(tiny, tmp_path, capsys)
     assert "scale 1" in results["unit"]["kv_cache"]["b"]["scales"]
     kl = {k: r["prefill"]["overall"]["kl"]["value"] for k, r in results.items()}
     assert kl["auto"] != kl["unit"]
+
+
+def test_kv_only_build_keeps_the_weights(tiny, tmp_path, capsys):
+    """--method none --kv-cache fp8: the weights are the base model's, bit for bit; only the KV scales are new,
+    and the engine runs the build on its calibrated fp8 cache."""
+    checkpoint, docs = tiny
+    out = tmp_path / "kv-only"
+    code, text = run(capsys, "quantize", "--method", "none", "--kv-cache", "fp8", "--model", checkpoint, "--out", out,
+                     "--calib", docs, "--num-samples", 3, "--seq-len", 48, "--save-dtype", "fp32")
+    assert code == 0, text
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"] == {} and qc["format"] == "dense" and qc["kv_cache_scheme"]["type"] == "float"
+    base, built = load_model(checkpoint), load_model(out)
+    for (name, p), (name2, q) in zip(base.state_dict().items(), built.state_dict().items(), strict=True):
+        assert name == name2 and torch.equal(p, q), name
+    assert base.kv_scales is None and built.kv_scales.kv_cache == "fp8"
+    assert LLMEngine(built, EngineConfig(kv_memory=1 << 20, max_model_len=64)).kv_spec.dtype == torch.float8_e4m3fn
+    record = json.loads((out / "tokq_quantization.json").read_text())
+    assert record["method"] == "none" and record["scheme"] is None and record["kv_cache"]["dtype"] == "fp8"
+
+    for args, message in (([], "add --kv-cache fp8 or int8"),
+                          (["--kv-cache", "fp8", "--scheme", "w4a16"], "--scheme quantizes weights; --method none")):
+        code, text = run(capsys, "quantize", "--method", "none", "--model", checkpoint, "--out", tmp_path / "x", *args)
+        assert code != 0 and message in text and not (tmp_path / "x").exists()

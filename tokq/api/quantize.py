@@ -115,13 +115,22 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
     from tokq.paths import data_dir
     from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.formats.compressed_tensors import save_quantized
-    from tokq.quantization.pipeline import METHODS, NEEDS_CALIBRATION, quantize_model, resolve_scheme
+    from tokq.quantization.pipeline import (
+        METHODS,
+        NEEDS_CALIBRATION,
+        MethodRun,
+        quantize_model,
+        resolve_scheme,
+    )
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
 
     method = s.method
-    if method not in METHODS:
-        raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")
+    kv_only = method == KV_ONLY  # 16-bit weights as they are, plus calibrated KV-cache scales
+    if kv_only and not s.kv_cache:
+        raise ConfigError("--method none quantizes nothing but the KV cache: add --kv-cache fp8 or int8")
+    if not kv_only and method not in METHODS:
+        raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)} (or none with --kv-cache)")
     if s.act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
     check_mix_settings(s, chosen=layer_assignment is not None)  # before parse_alpha: --alpha with --mix is refused as a mix error
@@ -144,8 +153,12 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         config = read_config(checkpoint)
         # a mix resolves each of its formats (quantize_mix); the default scheme only names the run until then
         searched = s.mix is not None and layer_assignment is None  # quantize_mix chooses, builds and verifies
-        resolved, notes = resolve_scheme(method, config, s.scheme, s.bits, s.group_size, s.sym) if s.mix is None \
-            else (_chosen_mix(s.mix, method, config, layer_assignment) if layer_assignment is not None else None, [])
+        if kv_only:
+            _check_kv_only(s)
+            resolved, notes = None, []
+        else:
+            resolved, notes = resolve_scheme(method, config, s.scheme, s.bits, s.group_size, s.sym) if s.mix is None \
+                else (_chosen_mix(s.mix, method, config, layer_assignment) if layer_assignment is not None else None, [])
         for note in notes:
             console.print(f"[yellow]note:[/] {note}")
         dtype = None if s.save_dtype == "auto" else parse_dtype(s.save_dtype)
@@ -198,16 +211,20 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                                                           mixed.write_seconds)
             notes = notes + mixed.notes
         else:
-            console.print(f"quantizing {model} with {method} ({resolved.name}); calibration: {calib_desc}; "
+            what = "16-bit weights, KV-cache scales only" if kv_only else resolved.name
+            console.print(f"quantizing {model} with {method} ({what}); calibration: {calib_desc}; "
                           f"{runtime.device}, {runtime.threads} threads")
-            columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       TimeRemainingColumn())
-            with Progress(*columns, console=console, transient=False) as progress:
-                task = progress.add_task("blocks", total=blocks)
-                # RTN and fp8 take no activations; their calibration windows (drawn for --kv-cache) wait for the KV scales
-                weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
-                run = quantize_model(lm, run_method, resolved, weight_calibration, options,
-                                     on_block=lambda _i: progress.advance(task))
+            if kv_only:
+                run = MethodRun(method, None, options, calibration.to_json(), 0.0, 0.0)
+            else:
+                columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TimeRemainingColumn())
+                with Progress(*columns, console=console, transient=False) as progress:
+                    task = progress.add_task("blocks", total=blocks)
+                    # RTN and fp8 take no activations; their windows (drawn for --kv-cache) wait for the KV scales
+                    weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
+                    run = quantize_model(lm, run_method, resolved, weight_calibration, options,
+                                         on_block=lambda _i: progress.advance(task))
             kv = None
             if s.kv_cache:
                 kv = (s.kv_cache, _calibrate_kv(lm, calibration, s))
@@ -218,7 +235,9 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance,
                            kv_cache=kv)
             save_seconds = time.perf_counter() - started_save
-            scheme_name = resolved.name if s.mix is None else "mixed (" + ", ".join(
+            if kv_only:
+                run.peak_rss_mib = _peak_rss_mib()
+            scheme_name = f"16-bit weights, {s.kv_cache} KV" if kv_only else resolved.name if s.mix is None else "mixed (" + ", ".join(
                 f"{k} x{n}" for k, n in resolved.counts().items() if n) + ")"
         peak_gpu = None
         if str(runtime.device).startswith("cuda"):
@@ -247,6 +266,25 @@ def check_kv_cache_settings(s: QuantizeSettings) -> None:
     if s.kv_cache is not None and s.mix is not None:
         raise ConfigError("--kv-cache with --mix is not supported yet: build the mix first, then compare its KV cache "
                           "with `tokq compare --b-kv-dtype fp8`")
+
+
+KV_ONLY = "none"  # --method none: the weights stay as they are; only the KV cache is quantized
+
+
+def _check_kv_only(s: QuantizeSettings) -> None:
+    """--method none takes no weight options: each would say the weights are quantized when they are not."""
+    for flag, value in (("--scheme", s.scheme), ("--bits", s.bits), ("--group-size", s.group_size),
+                        ("--sym/--asym", s.sym), ("--act-order", s.act_order), ("--alpha", s.alpha),
+                        ("--mix", s.mix)):
+        if value is not None:
+            raise ConfigError(f"{flag} quantizes weights; --method none keeps them 16-bit and quantizes only the KV "
+                              f"cache: drop {flag} or choose a weight method (rtn, awq, gptq, ...)")
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _calibrate_kv(lm, calibration, s: QuantizeSettings):

@@ -31,7 +31,8 @@ def _mib(n: float) -> str:
 
 
 def quantize_cmd(
-    method: str = typer.Option(..., "--method", help="rtn, awq, gptq, smoothquant or fp8."),
+    method: str = typer.Option(..., "--method", help="rtn, awq, gptq, smoothquant or fp8; none (with --kv-cache): "
+                               "keep the weights, quantize only the KV cache."),
     model: str = typer.Option(..., "--model", help="Checkpoint directory, zoo name (pulled on demand) or tokq.toml variant."),
     out: Path = typer.Option(..., "--out", help="Directory to write the quantized checkpoint to (must not exist)."),
     scheme: str = typer.Option(

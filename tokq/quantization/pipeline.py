@@ -37,7 +37,7 @@ NEEDS_CALIBRATION = {"awq", "gptq", "smoothquant"}
 @dataclass
 class MethodRun:
     method: str
-    scheme: QuantScheme | LayerSchemes
+    scheme: QuantScheme | LayerSchemes | None  # None: no weight was quantized (a KV-cache-only build)
     options: MethodOptions
     calibration: dict | None
     seconds: float
@@ -46,7 +46,8 @@ class MethodRun:
 
     def to_json(self) -> dict:
         return {
-            "method": self.method, "scheme": self.scheme.to_json(), "options": self.options.to_json(),
+            "method": self.method, "scheme": None if self.scheme is None else self.scheme.to_json(),
+            "options": self.options.to_json(),
             "calibration": self.calibration, "seconds": self.seconds, "peak_rss_mib": self.peak_rss_mib,
             "blocks": self.blocks,
         }

@@ -141,6 +141,14 @@ def quantization_config(scheme: QuantScheme | LayerSchemes, ignore: list[str],
     }
 
 
+def kv_only_quantization_config() -> dict:
+    """`quantization_config` of a checkpoint whose weights stay dense and only the KV cache is quantized (no
+    config groups, format dense); save_quantized adds the kv_cache_scheme."""
+    return {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": [],
+            "kv_cache_scheme": None, "quantization_status": "compressed", "global_compression_ratio": None,
+            "sparsity_config": {}, "transform_config": {}, "version": COMPRESSED_TENSORS_VERSION}
+
+
 def _check_matches(name: str, weight: QuantizedWeight, act: str | None, scheme: QuantScheme) -> None:
     """Raise unless `weight` (and activations `act`) is quantized as `scheme` says: the config must describe it."""
     w = scheme.weights
@@ -246,7 +254,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
 
 def save_quantized(
     model: CausalLM,
-    scheme: QuantScheme | LayerSchemes,
+    scheme: QuantScheme | LayerSchemes | None,
     out_dir: str | Path,
     *,
     source_dir: str | Path | None = None,
@@ -272,7 +280,13 @@ def save_quantized(
         dtype = HF_DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
     if dtype not in HF_DTYPE_NAMES:
         raise TokqError(f"checkpoint dtype {dtype} is not supported: use bfloat16, float16 or float32")
-    if not any(isinstance(m, QuantizedLinearMethod) for m in model.modules()):
+    if scheme is None:  # a KV-cache-only build: every Linear stays 16-bit
+        if kv_cache is None:
+            raise TokqError("nothing to save as quantized: give a scheme (after quantize_model) or KV-cache scales")
+        if any(isinstance(m, QuantizedLinearMethod) for m in model.modules()):
+            raise TokqError("the model has quantized layers but no scheme was given: save with the scheme it was "
+                            "quantized with")
+    elif not any(isinstance(m, QuantizedLinearMethod) for m in model.modules()):
         raise TokqError("the model has no quantized layers: run quantize_model before saving")
     if isinstance(scheme, LayerSchemes):
         unknown = sorted(set(scheme.assignment) - set(candidate_linears(model)))
@@ -284,7 +298,8 @@ def save_quantized(
     ignore = ["lm_head"] + [n for n in dense_linears if n != "lm_head"]
     raw.pop("quantization_config", None)
     raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
-    raw["quantization_config"] = quantization_config(scheme, ignore, targets)
+    raw["quantization_config"] = quantization_config(scheme, ignore, targets) if scheme is not None else \
+        kv_only_quantization_config()
     if kv_cache is not None:
         kv_name, kv_scales = kv_cache
         raw["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(kv_name, kv_scales.strategy)
@@ -298,7 +313,9 @@ def save_quantized(
                     shutil.copy2(Path(source_dir) / fname, tmp / fname)
         else:
             log.warning("no source checkpoint given: %s gets no tokenizer files", out_dir)
-        if isinstance(scheme, LayerSchemes):
+        if scheme is None:
+            mixed = {"scheme": None, "format": "dense"}
+        elif isinstance(scheme, LayerSchemes):
             mixed = {"scheme": {"name": scheme.name, "schemes": {k: scheme.schemes[k].name for k in scheme.used()}},
                      "format": "mixed-precision", "layer_schemes": scheme.to_json()}
         else:
