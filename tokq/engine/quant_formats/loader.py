@@ -213,5 +213,5 @@ def load_quantized_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.d
             continue
         copy_dense_tensor(model, targets, name, tensor, dtype, checkpoint_dir, filled)
     check_all_filled(targets, filled, checkpoint_dir)
-    if installed == 0:
+    if installed == 0 and not (qc.get("kv_cache_scheme") and not qc.get("config_groups")):  # KV-only: expected
         log.warning("%s: quantization_config says %s but no layer has quantized tensors", checkpoint_dir, fmt.method)
