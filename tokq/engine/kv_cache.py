@@ -113,6 +113,14 @@ def group_spec(spec: KVCacheSpec, group: LayerGroup) -> KVCacheSpec:
     return replace(spec, num_layers=len(group.layers))
 
 
+def split_budget(budget: int, one_seq: Sequence[int], block_bytes: Sequence[int]) -> list[int]:
+    """Blocks per group's pool for `budget` bytes, split in proportion to one sequence's need in each group
+    (`one_seq[g]` blocks of `block_bytes[g]` bytes), so that whole sequences fit in every pool at once.
+    One group: budget // block_bytes. The pools never take more than the budget."""
+    need = sum(n * b for n, b in zip(one_seq, block_bytes, strict=True))
+    return [budget * n // need for n in one_seq]
+
+
 def available_memory(device: torch.device) -> tuple[int, int]:
     """(total bytes, bytes the process may still use) of the device's memory."""
     if device.type == "cuda":

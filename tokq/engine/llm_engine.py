@@ -38,10 +38,15 @@ from tokq.engine.kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MEMORY_FRACTION,
     KVCacheSpec,
+    LayerGroup,
     allocate_kv_cache,
     default_kv_budget,
     format_bytes,
+    group_spec,
+    layer_groups,
+    split_budget,
 )
+from tokq.engine.kv_pools import KVPools
 from tokq.engine.kv_scales import plan_kv_cache
 from tokq.engine.logprobs import keep_scores, prompt_logprobs, sampled_logprobs
 from tokq.engine.metrics import RequestMetrics, RunMetrics, peak_memory_bytes
@@ -151,14 +156,24 @@ class LLMEngine:
         self.kv_plan = plan_kv_cache(cfg.kv_dtype, model.dtype, model.kv_scales, mc.num_layers,
                                      mc.num_kv_heads, cfg.kv_scales, model.device)
         self.kv_spec = KVCacheSpec.of(mc, self.kv_plan.dtype, cfg.block_size)
-        self.window = mc.window_of_every_layer  # blocks behind it are freed as sequences advance
-        self.num_blocks = self._plan_blocks()
-        self.caches = allocate_kv_cache(self.kv_spec, self.num_blocks, model.device)
-        self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # One pool per group of layers sharing a window (kv_pools.py); a sliding group's blocks behind its
+        # window are freed as sequences advance.
+        self.layer_groups: list[LayerGroup] = layer_groups(mc)
+        self.group_specs = [group_spec(self.kv_spec, g) for g in self.layer_groups]
+        self.group_blocks = self._plan_blocks()  # per group
+        self.num_blocks = sum(self.group_blocks)
+        blocks_of_layer = [0] * mc.num_layers
+        for group, n in zip(self.layer_groups, self.group_blocks, strict=True):
+            for layer in group.layers:
+                blocks_of_layer[layer] = n
+        self.caches = allocate_kv_cache(self.kv_spec, blocks_of_layer, model.device)
+        self.blocks = KVPools([BlockManager(n, cfg.block_size, cfg.enable_prefix_caching, i, g.window)
+                               for i, (g, n) in enumerate(zip(self.layer_groups, self.group_blocks, strict=True))])
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.static,
                                                    cfg.chunked_prefill, cfg.max_prefill_tokens_with_decode),
                                    self.blocks)
-        self.runner = ModelRunner(model, self.kv_spec, self.caches, cfg.attention_kernels, self.kv_plan.scales)
+        self.runner = ModelRunner(model, self.kv_spec, self.caches, cfg.attention_kernels, self.kv_plan.scales,
+                                  self.layer_groups)
         eos = mc.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -170,32 +185,44 @@ class LLMEngine:
 
     # Set-up ---------------------------------------------------------------------------------------
 
-    def _plan_blocks(self) -> int:
-        """Blocks the budget holds, capped at what max_num_seqs full-length sequences could use."""
-        spec, cfg = self.kv_spec, self.config
-        one_seq = self._blocks_per_seq(self.max_model_len)
+    def _plan_blocks(self) -> list[int]:
+        """Blocks per group's pool: the budget split across the groups in proportion to what one sequence of
+        max_model_len needs in each (so the sequences that fit, fit in every pool at once), each capped at
+        what max_num_seqs such sequences could use. One group: all of the budget, as a single pool."""
+        cfg = self.config
+        one_seq = [self._blocks_per_seq(self.max_model_len, i) for i in range(len(self.layer_groups))]
+        need = sum(n * s.bytes_per_block for n, s in zip(one_seq, self.group_specs, strict=True))
         if cfg.kv_memory is not None:
             budget = cfg.kv_memory
             source = f"--kv-memory {format_bytes(budget)}"
         else:
             budget = default_kv_budget(self.model.device, cfg.memory_fraction)
             source = f"the default budget ({cfg.memory_fraction:.0%} of the device's memory: {format_bytes(budget)})"
-        blocks = spec.blocks_in(budget)
-        if blocks < one_seq:
-            need = one_seq * spec.bytes_per_block
+        blocks = split_budget(budget, one_seq, [s.bytes_per_block for s in self.group_specs])
+        if budget < need:
+            if len(one_seq) == 1:
+                spec = self.group_specs[0]
+                held = (f"holds {blocks[0]} KV blocks ({blocks[0] * spec.block_size} tokens at "
+                        f"{format_bytes(spec.bytes_per_token)} a token)")
+                needs = f"{one_seq[0]} blocks"
+            else:
+                held = "is too small"
+                needs = " + ".join(f"{n} blocks for the {g.name} layers ({format_bytes(n * s.bytes_per_block)})"
+                                   for n, g, s in zip(one_seq, self.layer_groups, self.group_specs, strict=True))
             raise EngineError(
-                f"{source} holds {blocks} KV blocks ({blocks * spec.block_size} tokens at "
-                f"{format_bytes(spec.bytes_per_token)} a token), but one sequence of max_model_len "
-                f"{self.max_model_len} needs {one_seq} blocks = {format_bytes(need)}: give --kv-memory of at least "
-                f"{format_bytes(need)} or a smaller --max-model-len")
-        return min(blocks, one_seq * cfg.max_num_seqs + 1)
+                f"{source} {held}, but one sequence of max_model_len {self.max_model_len} needs {needs} = "
+                f"{format_bytes(need)}: give --kv-memory of at least {format_bytes(need)} or a smaller --max-model-len")
+        return [min(b, n * cfg.max_num_seqs + 1) for b, n in zip(blocks, one_seq, strict=True)]
 
-    def _blocks_per_seq(self, tokens: int) -> int:
-        return blocks_held_at_most(tokens, self.config.block_size, self.window, self.config.max_num_batched_tokens)
+    def _blocks_per_seq(self, tokens: int, group: int) -> int:
+        """The most blocks one sequence of `tokens` tokens holds at once in the group's pool."""
+        return blocks_held_at_most(tokens, self.config.block_size, self.layer_groups[group].window,
+                                   self.config.max_num_batched_tokens)
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.kv_spec.bytes_per_block
+        """The bytes of every layer's K and V cache (each group's pool at its own size)."""
+        return sum(n * s.bytes_per_block for n, s in zip(self.group_blocks, self.group_specs, strict=True))
 
     @property
     def kernel_names(self) -> dict[str, list[str]]:
@@ -236,7 +263,8 @@ class LLMEngine:
                 raise prompt_too_long(len(tokens), new_tokens, f"the model's context of {self.max_model_len}", limit,
                                       "shorten it, lower max_tokens, or pass truncate=True (keeps the prompt's end)")
             tokens = tokens[-limit:]
-        check_blocks(self._blocks_per_seq(len(tokens) + new_tokens), self.num_blocks)
+        for group, num_blocks in enumerate(self.group_blocks):
+            check_blocks(self._blocks_per_seq(len(tokens) + new_tokens, group), num_blocks)
         return params, tokens
 
     def has_unfinished(self) -> bool:
@@ -278,8 +306,7 @@ class LLMEngine:
                             end, self.runner.logits)
             seq.num_computed += n
             self.blocks.computed(seq)
-            if self.window is not None:
-                self.blocks.drop_outside_window(seq, self.window)
+            self.blocks.drop_outside_windows(seq)
             if seq.score is None and seq.num_computed == len(seq.token_ids):
                 if seq.params.max_tokens == 0:  # prompt only (e.g. to warm the prefix cache, or its logprobs)
                     self._finish(seq, "length", time.perf_counter())

@@ -113,8 +113,11 @@ def paired_engines(models: dict[str, CausalLM], workload: Workload, max_num_seqs
                for s in SIDES}
     blocks = min(e.num_blocks for e in engines.values())
     if any(e.num_blocks != blocks for e in engines.values()):  # same pool size, so preemptions match too
-        engines = {s: LLMEngine(models[s], EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs,
-                                                        kv_memory=blocks * engines[s].kv_spec.bytes_per_block))
+        # the budget that gives `blocks` in all (one pool: blocks x its block bytes; pools per layer group
+        # split a budget in fixed proportions, so scaling this side's budget scales every pool alike)
+        engines = {s: LLMEngine(models[s], EngineConfig(
+                       max_model_len=max_len, max_num_seqs=max_num_seqs,
+                       kv_memory=-(-engines[s].kv_cache_bytes * blocks // engines[s].num_blocks)))
                    for s in SIDES}
     return engines
 

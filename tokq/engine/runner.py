@@ -3,7 +3,9 @@
 A step's sequences are flattened into one row of tokens (the model sees input_ids [1, T] with each
 token's own position), and `PagedAttention`, the attention backend, writes each layer's new K/V into
 the cache slots of those tokens and attends through the block tables with the kernel the registry
-chose (kernels/attention.py). Logits are computed only where they are needed: the last token of a
+chose (kernels/attention.py). Each layer group (kv_cache.layer_groups: layers sharing a window) has its
+own pool, so the slot mapping and the attention metadata are built once per group from that group's
+block tables, and each layer reads and writes through its group's. Logits are computed only where they are needed: the last token of a
 sequence that samples this step, and every token of a scoring request (scored in chunks, so a
 large vocabulary never needs a whole window's logits at once).
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokq.engine.attention import AttentionSpec
-from tokq.engine.kv_cache import KVCacheSpec
+from tokq.engine.kv_cache import KVCacheSpec, LayerGroup
 from tokq.engine.models import CausalLM
 from tokq.engine.scheduler import ScheduledStep
 from tokq.kernels.attention import AttentionProblem, PreparedAttention
@@ -27,37 +29,59 @@ from tokq.kernels.registry import prepare_attention_kernel
 class StepInputs:
     input_ids: torch.Tensor  # int64 [1, T]
     positions: torch.Tensor  # int64 [1, T]
-    slot_mapping: torch.Tensor  # int64 [T]
-    meta: PagedAttentionMetadata
+    slot_mappings: list[torch.Tensor]  # per layer group: int64 [T]
+    metas: list[PagedAttentionMetadata]  # per layer group
     query_start: list[int]  # host copy of query_start_loc
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """The first group's slot mapping (a single-pool model's only one)."""
+        return self.slot_mappings[0]
+
+    @property
+    def meta(self) -> PagedAttentionMetadata:
+        return self.metas[0]
 
 
 class PagedAttention:
     """The attention backend over the paged cache (engine/attention.py's seam)."""
 
     def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: list[PreparedAttention],
-                 scales: list[tuple[torch.Tensor, torch.Tensor]] | None):
+                 scales: list[tuple[torch.Tensor, torch.Tensor]] | None, group_of: list[int] | None = None):
+        """`group_of[layer]`: the layer group (pool) whose slot mapping and block tables the layer uses."""
         self.caches, self.kernels, self.scales = caches, kernels, scales
+        self.group_of = group_of if group_of is not None else [0] * len(caches)
         self.step: StepInputs | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
         step = self.step
+        group = self.group_of[spec.layer]
         k_cache, v_cache = self.caches[spec.layer]
         kernel = self.kernels[spec.layer]
         k_scale, v_scale = self.scales[spec.layer] if self.scales is not None else (None, None)
-        kernel.write_kv(k[0], v[0], k_cache, v_cache, step.slot_mapping, k_scale, v_scale)
-        out = kernel.attend(q[0], k_cache, v_cache, step.meta, spec.scale, spec.sliding_window, k_scale, v_scale)
+        kernel.write_kv(k[0], v[0], k_cache, v_cache, step.slot_mappings[group], k_scale, v_scale)
+        out = kernel.attend(q[0], k_cache, v_cache, step.metas[group], spec.scale, spec.sliding_window,
+                            k_scale, v_scale)
         return out.unsqueeze(0)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, spec: KVCacheSpec, caches: list[tuple[torch.Tensor, torch.Tensor]],
                  attention_kernels: str | None = None,
-                 kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 groups: list[LayerGroup] | None = None):
         """`kv_scales`: per layer (k_scale, v_scale) fp32 [kv_heads], required by an int8/fp8 cache
-        (engine/kv_scales.plan_kv_cache makes them)."""
+        (engine/kv_scales.plan_kv_cache makes them). `groups`: the layer groups, in pool order (a sequence's
+        block_tables[i] is group i's); None: one pool for every layer."""
         self.model, self.spec = model, spec
         config = model.config
+        self.groups = groups or [LayerGroup("all", None, tuple(range(config.num_layers)))]
+        group_of = [-1] * config.num_layers
+        for i, group in enumerate(self.groups):
+            for layer in group.layers:
+                group_of[layer] = i
+        if -1 in group_of:
+            raise ValueError(f"layer {group_of.index(-1)} is in no KV pool's group")
         self.device = model.device
         self.kernels = [prepare_attention_kernel(
             AttentionProblem(self.device.type, model.dtype, spec.dtype, config.num_heads, config.num_kv_heads,
@@ -67,7 +91,9 @@ class ModelRunner:
             raise ValueError(f"a {spec.dtype} KV cache {'needs' if kv_scales is None else 'takes no'} KV scales")
         if kv_scales is not None and len(kv_scales) != config.num_layers:
             raise ValueError(f"{len(kv_scales)} layers of KV scales for a {config.num_layers}-layer model")
-        self.backend = PagedAttention(caches, self.kernels, kv_scales)
+        self.backend = PagedAttention(caches, self.kernels, kv_scales, group_of)
+        # each group's pool size, read off its first layer's cache (for the metadata's bounds check)
+        self.group_blocks = [caches[group.layers[0]][0].shape[0] for group in self.groups]
 
     @property
     def kernel_names(self) -> list[str]:
@@ -80,35 +106,41 @@ class ModelRunner:
         every token come from tensor ops over the padded block tables (no loop over tokens: a prefill
         chunk of 2048 tokens used to cost a Python iteration each)."""
         ids: list[int] = []
-        starts, query_lens, tables = [], [], []
+        starts, query_lens = [], []
         bs = self.spec.block_size
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             start = seq.num_computed
             ids.extend(seq.token_ids[start: start + n])
             starts.append(start)
             query_lens.append(n)
-            tables.append(seq.block_table)
         seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
-        width = max([len(t) for t in tables] + [1])
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(len(tables), width)
         lens = torch.tensor(query_lens, dtype=torch.int64)
-        seq_of = torch.repeat_interleave(torch.arange(len(tables)), lens)  # each token's sequence
+        seq_of = torch.repeat_interleave(torch.arange(len(starts)), lens)  # each token's sequence
         first = torch.cumsum(lens, 0) - lens  # each sequence's first token in the row
         positions = torch.tensor(starts, dtype=torch.int64)[seq_of] + torch.arange(len(ids)) - first[seq_of]
-        slots = table[seq_of, positions // bs] * bs + positions % bs
-        # A DROPPED block (-1: out of every window) is never read: the metadata names block 0 instead.
-        meta = PagedAttentionMetadata.from_tensors(table.clamp_min(0).to(torch.int32), seq_lens, query_lens)
-        meta.validate(len(ids), self.caches_blocks, bs)  # once per step, not once per layer
-        meta = PagedAttentionMetadata(meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                                      meta.max_seq_len, trusted=True)
-        query_start = meta.query_start_loc.tolist()
         dev = self.device
+        slot_mappings, metas, query_start = [], [], []
+        for group, num_blocks in enumerate(self.group_blocks):
+            tables = [seq.table(group) for seq in step.seqs]
+            width = max([len(t) for t in tables] + [1])
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                 dtype=torch.int64).view(len(tables), width)
+            slots = table[seq_of, positions // bs] * bs + positions % bs
+            # A DROPPED block (-1: out of the group's window) is never read: the metadata names block 0 instead.
+            meta = PagedAttentionMetadata.from_tensors(table.clamp_min(0).to(torch.int32), seq_lens, query_lens)
+            meta.validate(len(ids), num_blocks, bs)  # once per step and group, not once per layer
+            meta = PagedAttentionMetadata(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                          meta.max_query_len, meta.max_seq_len, trusted=True)
+            query_start = query_start or meta.query_start_loc.tolist()  # the same in every group: a host copy
+            slot_mappings.append(slots.to(dev))
+            metas.append(meta.to(dev))
         return StepInputs(torch.tensor([ids], dtype=torch.int64, device=dev), positions.view(1, -1).to(dev),
-                          slots.to(dev), meta.to(dev), query_start)
+                          slot_mappings, metas, query_start)
 
     @property
     def caches_blocks(self) -> int:
-        return self.backend.caches[0][0].shape[0]
+        """The first pool's number of blocks (a single-pool model's only one; group_blocks has them all)."""
+        return self.group_blocks[0]
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> tuple[torch.Tensor, StepInputs]:

@@ -33,7 +33,8 @@ KV caches: target and draft are two `LLMEngine`s, each with its own paged cache,
 this module builds `ScheduledStep`s for their runners directly (their schedulers stay idle). Proposals
 are written into the caches speculatively; after verification each sequence's `num_computed` is set back
 to the end of the accepted tokens, so a rejected proposal's KV slot is simply overwritten by the next
-step (its block stays with the sequence until it finishes, then every block goes back to the pool).
+step (its block stays with the sequence until it finishes, then every block goes back to the pool; in the
+pool of a sliding-window layer group, blocks behind the committed tokens' window go back at once).
 Only committed tokens are ever reported to the block manager (`computed`), so the prefix cache never
 hashes a block that holds a rejected proposal.
 
@@ -66,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tokq.engine.block_manager import BlockManager, WasteMeter
+from tokq.engine.block_manager import DROPPED, BlockManager, WasteMeter, blocks_held_at_most
 from tokq.engine.llm_engine import LLMEngine
 from tokq.engine.metrics import RequestMetrics, RunMetrics, peak_memory_bytes
 from tokq.engine.requests import (
@@ -244,11 +245,15 @@ class SpeculativeDecoder:
                                   self.max_model_len - params.max_tokens, "shorten it or lower max_tokens")
         need: dict[int, int] = {}
         for engine in (self.target, self.draft):
-            pool = id(engine.blocks)
-            # The whole request stays in both caches (no sliding-window freeing here); one engine serving as
-            # both target and draft holds it twice in its pool.
-            need[pool] = need.get(pool, 0) + engine.kv_spec.blocks_for(total)
-            check_blocks(need[pool], engine.num_blocks)
+            # a forward runs at most a prefill chunk or k + 1 tokens (the draft's catch-up and proposal, or the
+            # target's check) beyond the committed ones
+            chunk = max(engine.config.max_num_batched_tokens, self.k + 2)
+            for group in engine.blocks.groups:  # one pool per layer group (kv_pools.py)
+                pool = id(group)
+                # The whole request stays in a global pool; a sliding one frees what leaves its window once
+                # committed. One engine serving as both target and draft holds it twice in its pools.
+                need[pool] = need.get(pool, 0) + blocks_held_at_most(total, group.block_size, group.window, chunk)
+                check_blocks(need[pool], group.num_blocks)
         seq_id = self._next_id
         self._next_id += 1
         # Distinct ids, so that one engine serving as both target and draft keeps the two apart.
@@ -257,7 +262,13 @@ class SpeculativeDecoder:
         return _Request(seq_id, params, target, draft, make_generator(params.seed, self.device), need)
 
     def _pools(self) -> dict[int, BlockManager]:
-        return {id(e.blocks): e.blocks for e in (self.target, self.draft)}
+        return {id(g): g for e in (self.target, self.draft) for g in e.blocks.groups}
+
+    def _claim(self, claimed: dict[int, int], r: _Request) -> None:
+        """Count the blocks the request's two sequences hold in every pool (not those out of a window)."""
+        for engine, seq in ((self.target, r.target), (self.draft, r.draft)):
+            for group in engine.blocks.groups:
+                claimed[id(group)] += sum(b != DROPPED for b in group.table(seq))
 
     def _admit(self, waiting: deque[_Request], running: list[_Request]) -> list[_Request]:
         """Admit waiting requests (in order) while seats last and both pools can hold their worst case
@@ -265,8 +276,7 @@ class SpeculativeDecoder:
         pools = self._pools()
         claimed = dict.fromkeys(pools, 0)
         for r in running:
-            for engine, seq in ((self.target, r.target), (self.draft, r.draft)):
-                claimed[id(engine.blocks)] += len(seq.block_table)
+            self._claim(claimed, r)
             for pool, n in r.need.items():
                 claimed[pool] -= n
         # claimed[pool] is now -(blocks the running requests may still take there)
@@ -283,8 +293,7 @@ class SpeculativeDecoder:
                 seq.first_scheduled_time = now
             for pool, n in r.need.items():
                 claimed[pool] -= n
-            for engine, seq in ((self.target, r.target), (self.draft, r.draft)):
-                claimed[id(engine.blocks)] += len(seq.block_table)
+            self._claim(claimed, r)
             running.append(r)
             admitted.append(r)
         return admitted
@@ -322,6 +331,7 @@ class SpeculativeDecoder:
                 self._forward(engine, batch, sizes)
                 for seq in batch:
                     engine.blocks.computed(seq)  # prompt tokens are committed: their full blocks may be cached
+                    engine.blocks.drop_outside_windows(seq)
                 if side == "target":
                     self.stats.target_forwards += 1
                 else:
@@ -412,6 +422,7 @@ class SpeculativeDecoder:
         for engine, seq in ((self.target, r.target), (self.draft, r.draft)):
             seq.num_computed = min(seq.num_computed, base + accepted, len(seq.token_ids))
             engine.blocks.computed(seq)
+            engine.blocks.drop_outside_windows(seq)  # behind the committed tokens' windows: never read again
         if reason:
             self._finish(r, reason, now)
 
