@@ -5,8 +5,10 @@
 
 Builds. KV-cache-only checkpoints (`tokq quantize --method none --kv-cache fp8|int8`): the weights stay the base's,
 so every difference measured is the cache's. Their per-layer, per-KV-head scales are calibrated on the *choice*
-half of the documents (split by tokq.mixed.splits.split_documents, as mixed_precision.py splits them); the
-*evaluation* half is used for nothing but scoring.
+documents; the *evaluation* documents are used for nothing but scoring. The split (--split): "long" (default)
+evaluates on every document of at least --window tokens, so each window is full length and the decode path sits at
+the end of a long context, and calibrates on the shorter rest; "half" splits by tokq.mixed.splits.split_documents
+as mixed_precision.py does.
 
 Variants, each compared with the base (16-bit cache) by tokq's own compare (api.compare.run_compare_settings,
 probes off) on the same evaluation windows, so the base's scores come from the baseline cache after the first:
@@ -72,7 +74,8 @@ def kv_markdown(record: dict) -> str:
     lines = [f"## KV-cache quantization: {record['model']} ({record['device']}, {record['threads']} threads, "
              f"commit {record['tokq_commit']})", "",
              f"{ev['windows_scored']} held-out windows of {ev['window']} tokens from {ev['documents_scored']} documents "
-             f"(evaluation half; scales calibrated on the other half: {record['calibration']['num_samples']} x "
+             f"(scored only; scales calibrated on {record['split']['choice_documents']} other documents: "
+             f"{record['calibration']['num_samples']} x "
              f"{record['calibration']['seq_len']} tokens). Decode path: last {ev['decode_tokens']} positions "
              f"(from position {ev.get('decode_from', '?')}) of {ev['decode_windows']} windows, one token at a time. "
              "95% intervals from a document bootstrap.", "",
@@ -152,6 +155,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", choices=("long", "half"), default="long")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -213,7 +217,18 @@ def main(argv=None) -> None:
     work = tokq_home() / "bench-kv" / name
     data = Path(args.data) if args.data else data_dir() / "default"
     docs = load_documents(data)
-    choice, held = split_documents(docs.documents, HELD_OUT_FRACTION, args.seed)
+    if args.split == "long":
+        from tokq.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint)
+        long = {d.doc_id for d in docs.documents
+                if len(tokenizer(d.text, add_special_tokens=False)["input_ids"]) >= args.window}
+        choice = [d for d in docs.documents if d.doc_id not in long]
+        held = [d for d in docs.documents if d.doc_id in long]
+    else:
+        choice, held = split_documents(docs.documents, HELD_OUT_FRACTION, args.seed)
+    if not held or not choice:
+        raise SystemExit(f"split {args.split}: {len(choice)} calibration and {len(held)} evaluation documents; need both")
     choice_dir, eval_dir = work / "split" / "choice", work / "split" / "eval"
     write_split(choice, choice_dir)
     write_split(held, eval_dir)
@@ -226,8 +241,10 @@ def main(argv=None) -> None:
         "threads": runtime.threads, "cpu_count": os.cpu_count(), "hardware": runtime.hardware,
         "torch": torch.__version__, "settings": {**{k: v for k, v in vars(args).items() if k not in ("out_dir", "data")},
                                                  "data": home_relative(data)},
-        "split": {"how": "tokq.mixed.splits.split_documents", "held_out_fraction": HELD_OUT_FRACTION,
-                  "choice_documents": len(choice), "evaluation_documents": len(held)},
+        "split": {"how": "evaluation: the documents of at least --window tokens; calibration: the rest"
+                  if args.split == "long" else "tokq.mixed.splits.split_documents, half held out",
+                  "choice_documents": len(choice), "evaluation_documents": len(held),
+                  "evaluation_doc_ids": [d.doc_id for d in held]},
         "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len, "source": "choice half",
                         "builds": {kv: {k: v for k, v in b[1].items() if k != "calibration"} for kv, b in builds.items()}},
         "loadavg_before": loadavg_before, "variants": {}, "seconds": {},

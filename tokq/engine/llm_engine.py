@@ -153,7 +153,8 @@ class LLMEngine:
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise EngineError(f"max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}: "
                               "both must be >= 1")
-        self.kv_plan = plan_kv_cache(cfg.kv_dtype, model.dtype, model.kv_scales, mc.num_layers,
+        # getattr: a model assembled outside build_model/load_model (a wrapper, a test double) may lack kv_scales
+        self.kv_plan = plan_kv_cache(cfg.kv_dtype, model.dtype, getattr(model, "kv_scales", None), mc.num_layers,
                                      mc.num_kv_heads, cfg.kv_scales, model.device)
         self.kv_spec = KVCacheSpec.of(mc, self.kv_plan.dtype, cfg.block_size)
         # One pool per group of layers sharing a window (kv_pools.py); a sliding group's blocks behind its
