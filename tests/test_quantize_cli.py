@@ -196,14 +196,16 @@ def test_nan_weight_names_the_layer(capsys, project, checkpoint, tmp_path):
 
 def test_interrupted_write_leaves_nothing_that_looks_complete(capsys, project, checkpoint, monkeypatch):
     import tokq.quantization.formats.compressed_tensors as ct
+    import tokq.quantization.streamed as streamed
 
-    real = ct._write_safetensors
+    def interrupting(real):  # the in-memory writer, and the streamed walk's (the default)
+        def write_then_interrupt(tensors, out):
+            real(tensors, out)
+            raise KeyboardInterrupt
+        return write_then_interrupt
 
-    def write_then_interrupt(tensors, out):
-        real(tensors, out)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(ct, "_write_safetensors", write_then_interrupt)
+    monkeypatch.setattr(ct, "_write_safetensors", interrupting(ct._write_safetensors))
+    monkeypatch.setattr(streamed, "_write_assembled", interrupting(streamed._write_assembled))
     code, _ = quantize(capsys, checkpoint, project / "out", "--method", "rtn", "--group-size", 32, "--name", "q")
     assert code == 130
     assert not (project / "out").exists()

@@ -51,12 +51,16 @@ class QuantizeResult:
     variant: str | None = None  # recorded in tokq.toml under this name
     recorded_in: Path | None = None
     notes: list[str] = field(default_factory=list)
+    walk: str = "in-memory"  # or "streamed": one decoder block in memory at a time (quantization/streamed.py)
 
     def to_json(self) -> dict:
+        # peak_rss_mib: the whole run's, writing included (result.peak_rss_mib is the walk's, as the checkpoint
+        # records it); result.blocks[i].seconds: each block's quantization and calibration forward
         return {"tokq_version": __version__, "command": "quantize", "model": self.model,
                 "checkpoint": str(self.source_checkpoint), "out": str(self.checkpoint), "variant": self.variant,
                 "size_bytes": self.size_bytes, "dense_16bit_bytes": self.dense_16bit_bytes,
-                "write_seconds": self.write_seconds, "peak_gpu_bytes": self.peak_gpu_bytes, **self.provenance}
+                "write_seconds": self.write_seconds, "peak_gpu_bytes": self.peak_gpu_bytes, "walk": self.walk,
+                "peak_rss_mib": self.peak_rss_mib, **self.provenance}
 
 
 def parse_alpha(alpha: str | float | None, method: str) -> tuple[bool, float | None]:
@@ -98,8 +102,11 @@ def quantize(model: str | Path, *, method: str, out: str | Path, scheme: str | N
 def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = False, name: str | None = None,
                  recipe_sha256: str | None = None, threads: int | None = None, device: str = "auto",
                  layer_assignment: dict[str, str] | None = None,
-                 extra_provenance: dict | None = None) -> QuantizeResult:
+                 extra_provenance: dict | None = None, in_memory: bool = False) -> QuantizeResult:
     """`quantize` on a settings object (the CLI and the gate build one); prints progress and notes only.
+
+    By default the model is quantized streamed (quantization/streamed.py: one decoder block in memory at a time,
+    the same checkpoint written); `in_memory` loads it whole first, as a --mix search and --kv-cache always do.
 
     `layer_assignment` (with `s.mix`): the format of every decoder Linear is given (the gate's search chose it), so
     the build is one quantization calibrated on `s.calib`, with no search of its own. `extra_provenance` is added
@@ -108,6 +115,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
     from tokq.dtypes import parse_dtype
     from tokq.engine.checkpoint import load_model
     from tokq.engine.config import read_config
+    from tokq.engine.quant_formats.loader import read_quantization_config
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
     from tokq.errors import DataError
     from tokq.longctx.read_limits import read_limits
@@ -122,6 +130,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         quantize_model,
         resolve_scheme,
     )
+    from tokq.quantization.streamed import quantize_streamed, streamed_blocker
     from tokq.runtime import setup_runtime
     from tokq.zoo import resolve_model
 
@@ -188,10 +197,15 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         options = method_options(s)
         if alpha_given:
             options.alpha = alpha_value
+        streamed = not in_memory and not searched and streamed_blocker(
+            run_method, s.kv_cache, read_quantization_config(checkpoint, config.raw) is not None) is None
         # Methods search and quantize in fp32 (bf16 matmuls on CPU are slow and less exact).
-        lm = load_model(checkpoint, dtype="fp32", device=runtime.device)
-        dense_bytes = 2 * sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values())
-        blocks = len(lm.model.layers)
+        if streamed:
+            lm, blocks = None, config.num_layers
+        else:
+            lm = load_model(checkpoint, dtype="fp32", device=runtime.device)
+            dense_bytes = 2 * sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values())
+            blocks = len(lm.model.layers)
         calib_desc = (f"{calibration.num_samples} x {calibration.seq_len} tokens from {calibration.source}"
                       if calibration else "none")
         provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
@@ -214,7 +228,18 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             what = "16-bit weights, KV-cache scales only" if kv_only else resolved.name
             console.print(f"quantizing {model} with {method} ({what}); calibration: {calib_desc}; "
                           f"{runtime.device}, {runtime.threads} threads")
-            if kv_only:
+            if streamed:
+                columns = (TextColumn(f"{method} block (streamed)"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), TimeRemainingColumn())
+                with Progress(*columns, console=console, transient=False) as progress:
+                    task = progress.add_task("blocks", total=blocks)
+                    weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
+                    done = quantize_streamed(checkpoint, config, run_method, resolved, weight_calibration, options, out,
+                                             dtype=dtype, provenance=provenance, device=runtime.device,
+                                             on_block=lambda _i: progress.advance(task))
+                run, dense_bytes, save_seconds = done.run, done.dense_16bit_bytes, done.write_seconds
+                provenance["result"] = run.to_json()
+            elif kv_only:
                 run = MethodRun(method, None, options, calibration.to_json(), 0.0, 0.0)
             else:
                 columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -230,11 +255,12 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                 kv = (s.kv_cache, _calibrate_kv(lm, calibration, s))
                 provenance["kv_cache"] = {"dtype": s.kv_cache, "calibration": calibration.to_json(),
                                           **kv[1].to_json()}
-            started_save = time.perf_counter()
-            provenance["result"] = run.to_json()
-            save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force, provenance=provenance,
-                           kv_cache=kv)
-            save_seconds = time.perf_counter() - started_save
+            if not streamed:
+                started_save = time.perf_counter()
+                provenance["result"] = run.to_json()
+                save_quantized(lm, resolved, out, source_dir=checkpoint, dtype=dtype, force=force,
+                               provenance=provenance, kv_cache=kv)
+                save_seconds = time.perf_counter() - started_save
             if kv_only:
                 run.peak_rss_mib = _peak_rss_mib()
             scheme_name = f"16-bit weights, {s.kv_cache} KV" if kv_only else resolved.name if s.mix is None else "mixed (" + ", ".join(
@@ -246,9 +272,9 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             peak_gpu = torch.cuda.max_memory_allocated(runtime.device)
         result = QuantizeResult(model=model, checkpoint=out, source_checkpoint=checkpoint, scheme=scheme_name,
                                 run=run, seconds=run.seconds, write_seconds=save_seconds,
-                                peak_rss_mib=run.peak_rss_mib, size_bytes=_dir_bytes(out),
+                                peak_rss_mib=_peak_rss_mib(), size_bytes=_dir_bytes(out),
                                 dense_16bit_bytes=dense_bytes, peak_gpu_bytes=peak_gpu, provenance=provenance,
-                                notes=notes)
+                                notes=notes, walk="streamed" if streamed else "in-memory")
         if name is not None:
             # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
             result.variant, result.recorded_in = name, record_variant(name, out, {})

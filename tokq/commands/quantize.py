@@ -86,6 +86,11 @@ def quantize_cmd(
         help="--kv-cache scales: attn_head (one per KV head) or tensor (one per layer, for readers without "
         "per-head KV scales).",
     ),
+    in_memory: bool = typer.Option(
+        False, "--in-memory",
+        help="Load the whole model in fp32 first instead of streaming one decoder block at a time (the same "
+        "checkpoint, more memory; --mix searches and --kv-cache always do).",
+    ),
     recipe_sha256: str = typer.Option(None, "--recipe-sha256", hidden=True,
                                       help="tokq gate: the hash of the recipe this build follows (recorded)."),
 ) -> None:
@@ -102,7 +107,7 @@ def quantize_cmd(
                                 max_size_ratio=max_size_ratio, kv_cache=kv_cache,
                                 kv_cache_strategy=kv_cache_strategy)
     result = run_quantize(model, out, settings, force=force, name=name, recipe_sha256=recipe_sha256,
-                          threads=threads, device=device)
+                          threads=threads, device=device, in_memory=in_memory)
     _print_summary(result)
     if result.variant is not None:
         console.print(f"recorded variant [bold]{name}[/] in {result.recorded_in}: `tokq score {name}` now uses {out}")
@@ -117,7 +122,10 @@ def _print_summary(result) -> None:
     table.add_column("value", justify="right")
     table.add_row("quantize time", f"{result.seconds:.1f} s ({result.seconds / blocks:.1f} s/block)")
     table.add_row("write time", f"{result.write_seconds:.1f} s")
-    table.add_row("peak RSS", f"{result.peak_rss_mib:,.0f} MiB")
+    seconds = [b["seconds"] for b in result.run.blocks if "seconds" in b]
+    if seconds:
+        table.add_row("time per block", f"{min(seconds):.1f} to {max(seconds):.1f} s")
+    table.add_row("peak RSS", f"{result.peak_rss_mib:,.0f} MiB ({result.walk})")
     if result.peak_gpu_bytes is not None:
         table.add_row("peak GPU memory", _mib(result.peak_gpu_bytes))
     disk, dense = result.size_bytes, result.dense_16bit_bytes

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -149,28 +150,59 @@ class BlockContext:
         return torch.cat(outs)
 
 
-class BlockwiseRunner:
-    """Walk the decoder blocks in order with calibration activations (see module docstring)."""
+class BlockSource(Protocol):
+    """Where the walk gets its blocks when they are not all in memory (quantization/streamed.py)."""
 
-    def __init__(self, model: CausalLM, calib: CalibrationSet, batch_size: int = 8):
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def load(self, index: int) -> nn.Module: ...
+
+    def done(self, index: int, block: nn.Module) -> None: ...
+
+
+class BlockwiseRunner:
+    """Walk the decoder blocks in order with calibration activations (see module docstring). With `blocks`, each
+    block is loaded when the walk reaches it and handed back once it has fed the next one."""
+
+    def __init__(self, model: CausalLM, calib: CalibrationSet, batch_size: int = 8, blocks: BlockSource | None = None):
         self.model = model
         self.calib = calib
         self.batch_size = batch_size
+        self.blocks = blocks
 
     def run(self, quantize_block: Callable[[BlockContext], None], on_block: Callable[[int], None] | None = None) -> None:
         model, config = self.model, self.model.config
-        # Calibration embeds the ids directly (not through the model's forward, which checks them).
-        check_token_ids(self.calib.tokens, config.vocab_size, model.name)
-        tokens = self.calib.tokens.to(model.device)
-        with torch.inference_mode():
-            hidden = model.model.embed_tokens(tokens)
-            if config.embed_scale != 1.0:
-                hidden = hidden * torch.tensor(config.embed_scale, dtype=hidden.dtype)
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-            ropes = {kind: rot.cos_sin(positions, hidden.dtype) for kind, rot in model.rotary.items()}
-        for i, block in enumerate(model.model.layers):
+        if self.blocks is None:
+            weight = model.model.embed_tokens.weight
+            hidden, ropes = embed_calibration(model, self.calib.tokens, lambda ids: weight[ids.to(weight.device)],
+                                              weight.device, weight.dtype)
+        else:  # 16-bit checkpoint rows are exact in fp32: what an fp32-loaded model embeds
+            hidden, ropes = embed_calibration(model, self.calib.tokens, self.blocks.embed_rows,
+                                              next(iter(model.rotary.values())).inv_freq.device, torch.float32)
+        for i in range(config.num_layers):
+            block = model.model.layers[i] if self.blocks is None else self.blocks.load(i)
             ctx = BlockContext(i, block, hidden, ropes[config.layer_types[i]], self.batch_size)
             quantize_block(ctx)
             hidden = ctx.forward()  # the quantized block feeds the next one
+            if self.blocks is not None:
+                del ctx
+                self.blocks.done(i, block)
+                del block
             if on_block:
                 on_block(i)
+
+
+def embed_calibration(model: CausalLM, tokens: torch.Tensor, lookup: Callable[[torch.Tensor], torch.Tensor],
+                      device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """The hidden states entering block 0 for calibration `tokens` (`lookup` gives their embedding rows), in
+    `dtype` on `device`, and the RoPE tables of each layer type."""
+    config = model.config
+    # Calibration embeds the ids directly (not through the model's forward, which checks them).
+    check_token_ids(tokens, config.vocab_size, model.name)
+    with torch.inference_mode():
+        hidden = lookup(tokens).to(device, dtype)
+        if config.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(config.embed_scale, dtype=hidden.dtype)
+        positions = torch.arange(tokens.shape[1], device=device)[None]
+        ropes = {kind: rot.cos_sin(positions, hidden.dtype) for kind, rot in model.rotary.items()}
+    return hidden, ropes

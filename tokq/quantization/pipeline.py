@@ -19,7 +19,7 @@ from types import ModuleType
 
 from tokq.engine.models import CausalLM
 from tokq.errors import ConfigError
-from tokq.quantization.calibration import BlockContext, BlockwiseRunner, CalibrationSet
+from tokq.quantization.calibration import BlockContext, BlockSource, BlockwiseRunner, CalibrationSet
 from tokq.quantization.layer_schemes import LayerSchemes, candidate_linears
 from tokq.quantization.methods import awq, gptq, rtn, smoothquant
 from tokq.quantization.methods.options import MethodOptions
@@ -61,9 +61,11 @@ def quantize_model(
     options: MethodOptions | None = None,
     on_block: Callable[[int], None] | None = None,
     batch_size: int = 8,
+    blocks: BlockSource | None = None,
 ) -> MethodRun:
     """Quantize `model` in place with `method`: one scheme for every Linear, or a `LayerSchemes` giving each
-    decoder Linear its own (or leaving it 16-bit)."""
+    decoder Linear its own (or leaving it 16-bit). With `blocks` (quantization/streamed.py) the model holds no
+    weights: each block is loaded from it when reached and handed back to it once quantized."""
     if isinstance(scheme, LayerSchemes):
         check_layer_schemes(model, method, scheme)
     else:
@@ -75,17 +77,28 @@ def quantize_model(
         raise ConfigError(f"{method} needs calibration data (--calib DIR)")
     started = time.perf_counter()
     stats: list[dict] = []
+    last = [started]
 
     def quantize_block(ctx: BlockContext) -> None:
         stats.append({"block": ctx.index, **module.quantize_block(ctx, scheme, options)})
 
+    def block_done(i: int) -> None:  # a block's seconds: its quantization and its calibration forward
+        now = time.perf_counter()
+        stats[-1]["seconds"] = round(now - last[0], 3)
+        last[0] = now
+        if on_block:
+            on_block(i)
+
     if calibration is None:  # RTN / fp8: no activations needed, visit blocks directly
-        for i, block in enumerate(model.model.layers):
+        for i in range(model.config.num_layers):
+            block = model.model.layers[i] if blocks is None else blocks.load(i)
             quantize_block(BlockContext(i, block, None, None, batch_size))
-            if on_block:
-                on_block(i)
+            if blocks is not None:
+                blocks.done(i, block)
+                del block
+            block_done(i)
     else:
-        BlockwiseRunner(model, calibration, batch_size).run(quantize_block, on_block)
+        BlockwiseRunner(model, calibration, batch_size, blocks).run(quantize_block, block_done)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return MethodRun(method, scheme, options, calibration.to_json() if calibration else None,
                           time.perf_counter() - started, peak, stats)

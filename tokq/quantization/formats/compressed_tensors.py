@@ -188,68 +188,98 @@ def checkpoint_tensors(
     """
     tensors: dict[str, torch.Tensor] = {}
     dense_linears: list[str] = []
-    tied = model.config.tie_word_embeddings
+    tied_head = model.lm_head if model.config.tie_word_embeddings else None
     for module_name, module in model.named_modules():
-        if isinstance(module, QuantizedLinearMethod):
-            continue  # written through its Linear
-        if not isinstance(module, Linear):
-            for pname, param in module.named_parameters(recurse=False):
-                tensors[f"{module_name}.{pname}"] = param.detach().to("cpu", dtype).contiguous()
-            continue
-        parent = module_name.rpartition(".")[0]
-        prefix = f"{parent}." if parent else ""
-        method = module.method
-        quantized = isinstance(method, QuantizedLinearMethod)
-        own = _layer_scheme(scheme, module_name, quantized)
-        if quantized and hasattr(method, "input_perm"):
-            raise TokqError(f"{module_name} holds activation-ordered GPTQ weights (input permutation); compressed-tensors "
-                            "has no layout for them: quantize the 16-bit model with tokq instead")
-        for shard in module.shards:
-            name = f"{prefix}{shard.name}"
-            rows = slice(shard.offset, shard.offset + shard.size)
-            if module.bias is not None:
-                tensors[f"{name}.bias"] = module.bias.detach()[rows].to("cpu", dtype).contiguous()
-            if quantized:
-                weight = method.weight
-                _check_matches(name, weight, method.act, own)
-                if targets is not None and isinstance(scheme, LayerSchemes):
-                    targets.setdefault(scheme.assignment[module_name], []).append(name)
-                if isinstance(weight, FP8Weight):
-                    part = FP8Weight(weight.q[rows].cpu(), weight.scale[rows].cpu())
-                else:
-                    zero = None if weight.zero is None else weight.zero[rows].cpu()
-                    part = IntWeight(weight.q[rows].cpu(), weight.scale[rows].cpu(), zero, weight.bits, weight.group_size)
-                for suffix, t in compress_weight(part, compression_format(own), dtype).items():
-                    tensors[f"{name}.{suffix}"] = t
-            else:
-                dense_linears.append(name)
-                if not (module is model.lm_head and tied):
-                    tensors[f"{name}.weight"] = module.weight.detach()[rows].to("cpu", dtype).contiguous()
+        module_tensors(module_name, module, scheme, dtype, targets, tensors, dense_linears, tied_head)
     return tensors, dense_linears
+
+
+def block_tensors(block: torch.nn.Module, prefix: str, scheme: QuantScheme | LayerSchemes, dtype: torch.dtype,
+                  targets: dict[str, list[str]] | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """`checkpoint_tensors` of one decoder block named `prefix` (model.layers.3): the same names, tensors, order."""
+    tensors: dict[str, torch.Tensor] = {}
+    dense_linears: list[str] = []
+    for name, module in block.named_modules():
+        module_tensors(f"{prefix}.{name}" if name else prefix, module, scheme, dtype, targets, tensors,
+                       dense_linears, None)
+    return tensors, dense_linears
+
+
+def module_tensors(module_name: str, module: torch.nn.Module, scheme: QuantScheme | LayerSchemes, dtype: torch.dtype,
+                   targets: dict[str, list[str]] | None, tensors: dict[str, torch.Tensor], dense_linears: list[str],
+                   tied_head: Linear | None) -> None:
+    """Add one module's own tensors (not its children's) to `tensors`; a Linear's unquantized shards go to
+    `dense_linears`. `tied_head`: the LM head whose weight is the embedding's (written once, as the embedding)."""
+    if isinstance(module, QuantizedLinearMethod):
+        return  # written through its Linear
+    if not isinstance(module, Linear):
+        for pname, param in module.named_parameters(recurse=False):
+            tensors[f"{module_name}.{pname}"] = param.detach().to("cpu", dtype).contiguous()
+        return
+    parent = module_name.rpartition(".")[0]
+    prefix = f"{parent}." if parent else ""
+    method = module.method
+    quantized = isinstance(method, QuantizedLinearMethod)
+    own = _layer_scheme(scheme, module_name, quantized)
+    if quantized and hasattr(method, "input_perm"):
+        raise TokqError(f"{module_name} holds activation-ordered GPTQ weights (input permutation); compressed-tensors "
+                        "has no layout for them: quantize the 16-bit model with tokq instead")
+    for shard in module.shards:
+        name = f"{prefix}{shard.name}"
+        rows = slice(shard.offset, shard.offset + shard.size)
+        if module.bias is not None:
+            tensors[f"{name}.bias"] = module.bias.detach()[rows].to("cpu", dtype).contiguous()
+        if quantized:
+            weight = method.weight
+            _check_matches(name, weight, method.act, own)
+            if targets is not None and isinstance(scheme, LayerSchemes):
+                targets.setdefault(scheme.assignment[module_name], []).append(name)
+            if isinstance(weight, FP8Weight):
+                part = FP8Weight(weight.q[rows].cpu(), weight.scale[rows].cpu())
+            else:
+                zero = None if weight.zero is None else weight.zero[rows].cpu()
+                part = IntWeight(weight.q[rows].cpu(), weight.scale[rows].cpu(), zero, weight.bits, weight.group_size)
+            for suffix, t in compress_weight(part, compression_format(own), dtype).items():
+                tensors[f"{name}.{suffix}"] = t
+        else:
+            dense_linears.append(name)
+            if module is not tied_head:
+                tensors[f"{name}.weight"] = module.weight.detach()[rows].to("cpu", dtype).contiguous()
+
+
+def shard_plan(sizes: list[tuple[str, int]]) -> list[list[str]]:
+    """Tensor names (name, bytes, in writing order) grouped into files of at most MAX_SHARD_BYTES (HF's rule)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes:
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    return ["model.safetensors"] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors"
+                                                       for i in range(1, count + 1)]
+
+
+def write_shard_index(out: Path, files: dict[str, str], total: int) -> None:
+    """model.safetensors.index.json for a sharded checkpoint (`files`: tensor name -> file name)."""
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": files}, indent=2), encoding="utf-8")
 
 
 def _write_safetensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
     """model.safetensors, or shards + index when larger than MAX_SHARD_BYTES (HF's naming)."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+    plan = shard_plan([(name, t.numel() * t.element_size()) for name, t in tensors.items()])
+    names = shard_file_names(len(plan))
+    for fname, shard in zip(names, plan, strict=True):
+        save_file({n: tensors[n] for n in shard}, str(out / fname), metadata={"format": "pt"})
+    if len(plan) > 1:
+        write_shard_index(out, {n: f for f, shard in zip(names, plan, strict=True) for n in shard},
+                          sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def save_quantized(
@@ -276,10 +306,7 @@ def save_quantized(
     if out_dir.exists() and not force:
         raise TokqError(f"{out_dir} already exists; choose another --out or pass --force to replace it")
     raw = copy.deepcopy(model.config.raw)
-    if dtype is None:
-        dtype = HF_DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
-    if dtype not in HF_DTYPE_NAMES:
-        raise TokqError(f"checkpoint dtype {dtype} is not supported: use bfloat16, float16 or float32")
+    dtype = checkpoint_dtype(raw, dtype)
     if scheme is None:  # a KV-cache-only build: every Linear stays 16-bit
         if kv_cache is None:
             raise TokqError("nothing to save as quantized: give a scheme (after quantize_model) or KV-cache scales")
@@ -295,6 +322,28 @@ def save_quantized(
                             "save with the layer schemes the model was quantized with")
     targets: dict[str, list[str]] = {}
     tensors, dense_linears = checkpoint_tensors(model, scheme, dtype, targets)
+    set_quantization_config(raw, scheme, dtype, dense_linears, targets, kv_cache)
+    if kv_cache is not None:
+        tensors.update(kv_scale_tensors(kv_cache[1], kv_cache[0]))
+    with atomic_directory(out_dir, CHECKPOINT, "tokq quantize") as tmp:
+        _write_safetensors(tensors, tmp)
+        write_checkpoint_files(tmp, raw, scheme, source_dir, provenance, out_dir)
+    return out_dir
+
+
+def checkpoint_dtype(raw: dict, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of scales and unquantized tensors: `dtype`, else config.json's (bf16 if it names none)."""
+    if dtype is None:
+        dtype = HF_DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
+    if dtype not in HF_DTYPE_NAMES:
+        raise TokqError(f"checkpoint dtype {dtype} is not supported: use bfloat16, float16 or float32")
+    return dtype
+
+
+def set_quantization_config(raw: dict, scheme: QuantScheme | LayerSchemes | None, dtype: torch.dtype,
+                            dense_linears: list[str], targets: dict[str, list[str]],
+                            kv_cache: tuple[str, KVScales] | None) -> None:
+    """config.json (`raw`, edited in place): the checkpoint dtype and the quantization_config."""
     ignore = ["lm_head"] + [n for n in dense_linears if n != "lm_head"]
     raw.pop("quantization_config", None)
     raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
@@ -303,23 +352,24 @@ def save_quantized(
     if kv_cache is not None:
         kv_name, kv_scales = kv_cache
         raw["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(kv_name, kv_scales.strategy)
-        tensors.update(kv_scale_tensors(kv_scales, kv_name))
-    with atomic_directory(out_dir, CHECKPOINT, "tokq quantize") as tmp:
-        _write_safetensors(tensors, tmp)
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if source_dir is not None:
-            for fname in TOKENIZER_FILES:
-                if (Path(source_dir) / fname).is_file():
-                    shutil.copy2(Path(source_dir) / fname, tmp / fname)
-        else:
-            log.warning("no source checkpoint given: %s gets no tokenizer files", out_dir)
-        if scheme is None:
-            mixed = {"scheme": None, "format": "dense"}
-        elif isinstance(scheme, LayerSchemes):
-            mixed = {"scheme": {"name": scheme.name, "schemes": {k: scheme.schemes[k].name for k in scheme.used()}},
-                     "format": "mixed-precision", "layer_schemes": scheme.to_json()}
-        else:
-            mixed = {"scheme": scheme.to_json(), "format": compression_format(scheme)}
-        record = {"tokq_version": TOKQ_VERSION, **mixed, **(provenance or {})}
-        (tmp / "tokq_quantization.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    return out_dir
+
+
+def write_checkpoint_files(tmp: Path, raw: dict, scheme: QuantScheme | LayerSchemes | None,
+                           source_dir: str | Path | None, provenance: dict | None, out_dir: Path) -> None:
+    """Everything but the weights: config.json, the source's tokenizer files, tokq_quantization.json."""
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if source_dir is not None:
+        for fname in TOKENIZER_FILES:
+            if (Path(source_dir) / fname).is_file():
+                shutil.copy2(Path(source_dir) / fname, tmp / fname)
+    else:
+        log.warning("no source checkpoint given: %s gets no tokenizer files", out_dir)
+    if scheme is None:
+        mixed = {"scheme": None, "format": "dense"}
+    elif isinstance(scheme, LayerSchemes):
+        mixed = {"scheme": {"name": scheme.name, "schemes": {k: scheme.schemes[k].name for k in scheme.used()}},
+                 "format": "mixed-precision", "layer_schemes": scheme.to_json()}
+    else:
+        mixed = {"scheme": scheme.to_json(), "format": compression_format(scheme)}
+    record = {"tokq_version": TOKQ_VERSION, **mixed, **(provenance or {})}
+    (tmp / "tokq_quantization.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
