@@ -65,3 +65,14 @@ def test_markdown_and_plot(bench, tmp_path):
     assert [bench.bucket_start(b) for b in ("0-511", "4K-8K", "16K-32K")] == [0, 4096, 16384]
     bench.plot_kl_by_position(r, tmp_path / "kv.png")
     assert (tmp_path / "kv.png").stat().st_size > 10_000
+
+
+def test_late_prefill_ratio_uses_the_last_bucket(bench):
+    r = record(None, None)
+    r["variants"]["fp8-unit"]["prefill_buckets"]["4K-8K"]["kl"] = est(0.04, 0.03, 0.05)
+    r["variants"]["fp8-calibrated"]["prefill_buckets"]["4K-8K"]["kl"] = est(0.01, 0.008, 0.012)
+    check = bench.late_prefill_ratio_check(r["variants"])
+    assert check["bucket"] == "4K-8K" and check["ratio"] == pytest.approx(0.25) and check["met_by_bounds"]
+    assert bench.decode_ratio_check(r["variants"]) is None  # no decode path run
+    r["target_late_prefill"] = check
+    assert "Decode path off" in bench.kv_markdown({**r, "evaluation": {**r["evaluation"], "decode_windows": 0}})
