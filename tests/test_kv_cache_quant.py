@@ -284,3 +284,31 @@ def test_kv_only_build_keeps_the_weights(tiny, tmp_path, capsys):
                           (["--kv-cache", "fp8", "--scheme", "w4a16"], "--scheme quantizes weights; --method none")):
         code, text = run(capsys, "quantize", "--method", "none", "--model", checkpoint, "--out", tmp_path / "x", *args)
         assert code != 0 and message in text and not (tmp_path / "x").exists()
+
+
+def test_calibration_rescues_fp8_when_values_are_small(tmp_path):
+    """Where calibration matters for fp8: e4m3's relative precision is the same at any scale in its normal range,
+    but values below 2^-6 fall into subnormals. Shrink every V by 1000 (and grow o_proj by 1000: the model computes
+    the same function), and scale 1 stores most of V as subnormals or zero, while calibrated scales (amax / 448)
+    keep it in the normal range: its log-probabilities stay far closer to an fp32 cache's."""
+    make_hf_checkpoint("llama", tmp_path)
+    lm = load_model(tmp_path)
+    attn0 = lm.model.layers[0].self_attn
+    with torch.no_grad():
+        for layer in lm.model.layers:
+            attn = layer.self_attn
+            v = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+            attn.qkv_proj.weight[v] *= 1e-3
+            attn.o_proj.weight *= 1e3
+    assert attn0.kv_size > 0
+    window = tokens(1, 48, seed=5)[0].tolist()
+    exact = LLMEngine(lm, EngineConfig(kv_memory=1 << 20, max_model_len=64, kv_dtype="fp32")).score([window])[0]
+    calibrated = calibrate_kv_scales(lm, tokens(2, 32, seed=6))
+    lm.kv_scales = KVScales(calibrated.k_amax, calibrated.v_amax, "attn_head", "test", "fp8")
+    err = {}
+    for scales in ("unit", "auto"):
+        got = LLMEngine(lm, EngineConfig(kv_memory=1 << 20, max_model_len=64, kv_dtype="fp8",
+                                         kv_scales=scales)).score([window])[0]
+        err[scales] = (exact.logprobs - got.logprobs).abs().mean().item()
+    print(f"mean |dlogprob| vs an fp32 cache: unit {err['unit']:.2e}, calibrated {err['auto']:.2e}")
+    assert err["auto"] * 10 < err["unit"]
