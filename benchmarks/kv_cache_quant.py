@@ -204,6 +204,13 @@ def build(args, name: str, kv_cache: str, checkpoint: Path, choice_dir: Path, ch
     return out, {**rec["kv_cache"], "seconds": round(time.perf_counter() - started, 1)}
 
 
+def without_machine_paths(kv: dict) -> dict:
+    """A build's kv_cache record with $TOKQ_HOME for the machine's path (results name no machine path)."""
+    from tokq.paths import tokq_home
+
+    return {k: v.replace(str(tokq_home()), "$TOKQ_HOME") if isinstance(v, str) else v for k, v in kv.items()}
+
+
 def summarize(result: dict) -> dict:
     keep = ("value", "low", "high", "n_tokens", "n_docs")
 
@@ -266,7 +273,8 @@ def main(argv=None) -> None:
                   "choice_documents": len(choice), "evaluation_documents": len(held),
                   "evaluation_doc_ids": [d.doc_id for d in held]},
         "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len, "source": "choice half",
-                        "builds": {kv: {k: v for k, v in b[1].items() if k != "calibration"} for kv, b in builds.items()}},
+                        "builds": {kv: without_machine_paths({k: v for k, v in b[1].items() if k != "calibration"})
+                                   for kv, b in builds.items()}},
         "loadavg_before": loadavg_before, "variants": {}, "seconds": {},
     }
     stem = args.out_dir / f"kv-cache-quant-{name}"
