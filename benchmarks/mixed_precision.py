@@ -15,7 +15,7 @@ Points (bytes on disk = the checkpoint folder's *.safetensors; also the candidat
   uniform  RTN / AWQ / GPTQ at w4a16 (resolve_scheme: group 64 on SmolLM2, whose 576 hidden does not divide
            by 128; group 32 never, its weights sit on a Q4_1 grid), RTN at w8a16 (AWQ w8a16 with --int8-awq);
   mixed    {w4a16, w8a16, bf16} per decoder Linear, chosen by the knapsack (tokq.mixed.knapsack.solve) on the
-           sensitivity costs, built with AWQ (quantization.layer_schemes.LayerSchemes -> quantize_model ->
+           sensitivity costs, built with --mix-method (default AWQ; quantization.layer_schemes.LayerSchemes -> quantize_model ->
            save_quantized):
            (a) "equal-size": the least predicted KL whose checkpoint stays within +2% of uniform AWQ int4's;
            (b) "target-kl": the fewest bytes whose predicted KL (alone costs scaled so the all-w4a16 end matches
@@ -213,7 +213,8 @@ def plot_frontier(record: dict, path: Path) -> None:
     ax.set_xlabel("checkpoint size on disk (MB, safetensors)")
     ax.set_ylabel("mean KL(base ‖ build), held-out windows (95% interval)")
     ax.set_ylim(bottom=floor)
-    ax.set_title(f"{record['model']}: size vs quality, uniform and mixed (AWQ) builds")
+    method = str(record.get("settings", {}).get("mix_method", "awq")).upper()
+    ax.set_title(f"{record['model']}: size vs quality, uniform and mixed ({method}) builds")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
