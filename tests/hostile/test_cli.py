@@ -280,8 +280,10 @@ max_kl = 10.0
     return path
 
 
-@pytest.mark.parametrize("where", ["tokq.engine.checkpoint.load_model", "tokq.quantization.pipeline.quantize_model",
-                                   "tokq.quantization.formats.compressed_tensors.save_quantized"])
+# the recipe build walks the model streamed (quantization/streamed.py): reading a block, quantizing, assembling
+@pytest.mark.parametrize("where", ["tokq.quantization.streamed._materialize_block",
+                                   "tokq.quantization.pipeline.quantize_model",
+                                   "tokq.quantization.streamed._write_assembled"])
 def test_ctrl_c_while_building_a_recipe_is_an_interrupt(capsys, models, docs, tmp_path, monkeypatch, where):
     """Hostile: Ctrl-C while the gate runs `tokq quantize` for a recipe must exit 130 ("aborted"), not 2 with
     "fix the recipe"; and nothing half-built is left."""
