@@ -93,11 +93,11 @@ def kv_cache_scheme(kv_cache: str, strategy: str = "attn_head") -> dict:
 
 def kv_scale_tensors(scales: KVScales, kv_cache: str) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of `scales` for a `kv_cache` (fp8/int8) cache, HF-named, fp32."""
-    qmax = KV_CACHE_TYPES[kv_cache][1]
+    from tokq.dtypes import kv_dtype_of
+
     out: dict[str, torch.Tensor] = {}
-    for layer in range(scales.num_layers):
-        for name, amax in (("k_scale", scales.k_amax[layer]), ("v_scale", scales.v_amax[layer])):
-            scale = (amax.float() / qmax).clamp_min(1e-8)
+    for layer, pair in enumerate(scales.scales_for(kv_dtype_of(kv_cache))):  # the scales the engine divides by
+        for name, scale in zip(("k_scale", "v_scale"), pair, strict=True):
             scale = scale.view(-1, 1, 1) if scales.strategy == "attn_head" else scale.max().view(1)
             out[f"model.layers.{layer}.self_attn.{name}"] = scale.contiguous()
     return out
