@@ -293,3 +293,26 @@ def test_cli_build_default(tree: list[SourceSpec], tmp_path: Path, monkeypatch: 
     result = runner.invoke(data_cmd.data_app, ["build-default", "--model", "none", "--out", str(other)])
     assert isinstance(result.exception, DataError) and str(other) in result.exception.message
     assert (other / "keep.txt").read_text() == "mine"
+
+
+def _candidates(lengths: list[int]) -> list:
+    from tokq.longctx.source_files import Candidate
+
+    spec = SourceSpec(name="s", package="p", root=Path("/nowhere"), patterns=("*",), licence="MIT")
+    items = [Candidate(spec, f"f{i:02d}.txt", "x" * n, n, "MIT") for i, n in enumerate(lengths)]
+    return sorted(items, key=lambda c: (len(c.text), c.rel))
+
+
+def test_spread_takes_the_long_files_first_up_to_a_third_then_spreads_the_rest() -> None:
+    # 12 files, 3 of them long: 6 slots take the 2 longest (a third of 6), then 4 evenly spaced over the
+    # 10 left, both ends included (ranks 0, 3, 6, 9)
+    items = _candidates([100, 200, 300, 400, 500, 600, 700, 800, 900, 5000, 6000, 7000])
+    picked = default_set._spread(items, 6, long_chars=5000)
+    assert sorted(len(c.text) for c in picked) == [100, 400, 700, 5000, 6000, 7000]
+    assert [c.rel for c in picked] == sorted(c.rel for c in picked)  # path order
+    # 9 slots: all 3 long files, then 6 spread over the 9 short ones
+    long_all = sorted(len(c.text) for c in default_set._spread(items, 9, long_chars=5000))
+    assert long_all[-3:] == [5000, 6000, 7000] and long_all[0] == 100 and long_all[5] == 900
+    # no file that long: the plain even spread (both ends)
+    plain = sorted(len(c.text) for c in default_set._spread(items, 4, long_chars=10_000))
+    assert plain == [100, 500, 800, 7000]  # ranks 0, 4 (3.67 rounded), 7, 11

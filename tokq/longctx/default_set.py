@@ -10,9 +10,13 @@ can key caches across models. Defaults and why:
   files cannot dominate the set.
 - `max_documents=100`, handed out round-robin over the sources up to each source's own cap:
   with every package installed that is 30 each from the three big sources plus the eligible
-  policy/GNU texts (about 4 MB, 1M tokens); with CPython alone, its cap of 60 modules.
+  policy/GNU texts (about 5.3 MB, 1.4M Gemma-3 tokens); with CPython alone, its cap of 60 modules.
 - Within a source the eligible files are sorted by length and picked at evenly spaced ranks,
-  so the set spans short to long documents instead of only the longest.
+  so the set spans short to long documents instead of only the longest; but first every file of
+  `LONG_CHARS` (120K, about 30K tokens) or more is taken, up to a third of the source's slots, so the
+  set holds as many documents as the machine has that fill a 32K-token window on their own (with
+  every package installed: 15 such files from all five sources, each 33K-54K Gemma-3 tokens, where an
+  even spread alone took 6; CPython alone: 3).
 
 Output: `<out_dir>/<source>/<relative path>.txt` (plain UTF-8), `MANIFEST.json` (the record:
 source, version, licence, original path, chars, tokens, sha256 per document) and
@@ -44,6 +48,10 @@ DEFAULT_MAX_DOCUMENTS = 100
 DEFAULT_MIN_CHARS = 12_000
 DEFAULT_MAX_CHARS = 160_000
 LONG_DOCUMENT_TOKENS = 8192  # reported separately: documents that outgrow an 8K context
+# Files this long are taken before the evenly spaced picks (up to LONG_SHARE of a source's slots): each
+# fills a 32K-token window alone, which long-context checks need and an even spread would mostly skip.
+LONG_CHARS = 120_000
+LONG_SHARE = 1 / 3
 
 
 @dataclass
@@ -300,13 +308,17 @@ def _allocate(caps: dict[str, int], total: int) -> dict[str, int]:
     return slots
 
 
-def _spread(items: list[Candidate], k: int) -> list[Candidate]:
-    """`k` items at evenly spaced ranks of the length-sorted list, both ends included, in path order."""
+def _spread(items: list[Candidate], k: int, long_chars: int = LONG_CHARS) -> list[Candidate]:
+    """`k` items of the length-sorted list, in path order: its longest items of `long_chars` or more (up to a
+    third of `k`), then the rest at evenly spaced ranks of what remains, both ends included."""
     n = len(items)
     if k >= n:
-        picked = list(items)
-    elif k == 1:
-        picked = [items[-1]]
-    else:
-        picked = [items[round(i * (n - 1) / (k - 1))] for i in range(k)]
+        return sorted(items, key=lambda c: c.rel)
+    n_long = min(int(k * LONG_SHARE), sum(1 for c in items if len(c.text) >= long_chars))
+    picked = items[n - n_long:]
+    rest, k = items[: n - n_long], k - n_long
+    if k == 1:
+        picked.append(rest[-1])
+    elif k > 1:
+        picked += [rest[round(i * (len(rest) - 1) / (k - 1))] for i in range(k)]
     return sorted(picked, key=lambda c: c.rel)
