@@ -225,6 +225,18 @@ def summarize(result: dict) -> dict:
             "base_cache_hit": result["cache"]["hit"]}
 
 
+def long_split(documents, tokenizer, tokens: int) -> tuple[list, list]:
+    """(documents of at least `tokens` tokens, the rest), each in the given order: the long ones are scored, the
+    rest calibrate, so nothing scored was seen in calibration."""
+    counts = {d.doc_id: len(tokenizer(d.text, add_special_tokens=False)["input_ids"]) for d in documents}
+    return [d for d in documents if counts[d.doc_id] >= tokens], [d for d in documents if counts[d.doc_id] < tokens]
+
+
+def documents_hash(documents) -> str:
+    """What a build's calibration key holds of its documents: their ids and text."""
+    return hashlib.sha256("\0".join(f"{d.doc_id}\0{d.text}" for d in documents).encode()).hexdigest()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     loadavg_before = os.getloadavg()
@@ -247,11 +259,7 @@ def main(argv=None) -> None:
     if args.split == "long":
         from tokq.engine.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(checkpoint)
-        long = {d.doc_id for d in docs.documents
-                if len(tokenizer(d.text, add_special_tokens=False)["input_ids"]) >= args.window}
-        choice = [d for d in docs.documents if d.doc_id not in long]
-        held = [d for d in docs.documents if d.doc_id in long]
+        held, choice = long_split(docs.documents, load_tokenizer(checkpoint), args.window)
     else:
         choice, held = split_documents(docs.documents, HELD_OUT_FRACTION, args.seed)
     if not held or not choice:
@@ -259,7 +267,7 @@ def main(argv=None) -> None:
     choice_dir, eval_dir = work / "split" / "choice", work / "split" / "eval"
     write_split(choice, choice_dir)
     write_split(held, eval_dir)
-    choice_hash = hashlib.sha256("\0".join(f"{d.doc_id}\0{d.text}" for d in choice).encode()).hexdigest()
+    choice_hash = documents_hash(choice)
     builds = {kv: build(args, f"kv-{kv}", kv, checkpoint, choice_dir, choice_hash, work) for kv in ("fp8", "int8")}
     import torch
 

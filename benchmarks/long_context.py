@@ -42,7 +42,6 @@ probe accuracy by context). Builds go to $TOKQ_HOME/bench-long/<model>/ (reused 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -51,7 +50,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_cache_quant import bucket_start, without_machine_paths  # noqa: E402
+from kv_cache_quant import bucket_start, documents_hash, long_split, without_machine_paths  # noqa: E402
 from kv_cache_quant import build as build_kv  # noqa: E402
 from mixed_precision import git_commit, home_relative, write_split  # noqa: E402
 
@@ -309,8 +308,6 @@ def summarize(metrics, doc_ids: list[str], window: int, seed: int) -> dict:
     return {"overall": est(agg["overall"]), "buckets": {b: est(e) for b, e in agg["buckets"].items()}}
 
 
-
-
 def main(argv=None) -> None:  # noqa: C901 - one linear script
     args = parse_args(argv)
     loadavg_before = os.getloadavg()
@@ -336,10 +333,8 @@ def main(argv=None) -> None:  # noqa: C901 - one linear script
     docs = load_documents(data)
     tokenizer = load_tokenizer(checkpoint)
     add_bos = model_adds_bos(tokenizer)
-    counts = {d.doc_id: len(tokenizer(d.text, add_special_tokens=False)["input_ids"]) for d in docs.documents}
     capacity = args.window - int(add_bos)
-    long_docs = [d for d in docs.documents if counts[d.doc_id] >= capacity]
-    choice = [d for d in docs.documents if counts[d.doc_id] < capacity]
+    long_docs, choice = long_split(docs.documents, tokenizer, capacity)
     if len(long_docs) < args.windows or not choice:
         raise SystemExit(f"{len(long_docs)} documents hold {capacity}+ tokens (need {args.windows}) and "
                          f"{len(choice)} are shorter (calibration): grow the document set")
@@ -347,7 +342,7 @@ def main(argv=None) -> None:  # noqa: C901 - one linear script
     held = [long_docs[int(i * step)] for i in range(args.windows)]
     choice_dir = work / "split" / "choice"
     write_split(choice, choice_dir)
-    choice_hash = hashlib.sha256("\0".join(f"{d.doc_id}\0{d.text}" for d in choice).encode()).hexdigest()
+    choice_hash = documents_hash(choice)
     wanted = [v for v in VARIANTS if v[0] in args.variants.split(",")]
     builds: dict[str, tuple[Path, dict]] = {}
     for _, build_name, _ in wanted:
