@@ -37,6 +37,18 @@ def document_windows(data: Path | None, tokenizer, window: int, s, limits):
     return data, docs, windows, add_bos
 
 
+# A window up to this long is prefilled in one step; a longer one in steps of this many tokens. One step per window
+# is the fastest, but its activations and attention scratch grow with the step: `tokq compare --window 32768` on
+# Gemma-3-270M peaked at 15.5 GB RSS in one 32K-token step, against 4.4 GB for 2048-token steps (the served
+# path; chunk boundaries moved the base's KL by 7e-8, benchmarks/results/long-context-gemma3-270m.json).
+MAX_PREFILL_STEP = 4096
+
+
+def prefill_step(window: int) -> int:
+    """Tokens per prefill step when scoring windows of `window` tokens: the whole window up to MAX_PREFILL_STEP."""
+    return min(max(2048, window), MAX_PREFILL_STEP)
+
+
 def engine_loader(checkpoint: Path, tokenizer, *, dtype: str, device, max_model_len: int, kv_memory: int | None,
                   kv_dtype: str, window: int, kv_scales: str = "auto", described: dict | None = None) -> Callable:
     """A function that loads the checkpoint into an engine sized for scoring windows (called when its turn
@@ -50,7 +62,7 @@ def engine_loader(checkpoint: Path, tokenizer, *, dtype: str, device, max_model_
 
         model = load_model(checkpoint, dtype=dtype, device=device)
         engine = LLMEngine(model, EngineConfig(max_model_len=max_model_len, kv_memory=kv_memory, kv_dtype=kv_dtype,
-                                               max_num_seqs=4, max_num_batched_tokens=max(2048, window),
+                                               max_num_seqs=4, max_num_batched_tokens=prefill_step(window),
                                                kv_scales=kv_scales), tokenizer)
         if described is not None:
             described.update({"dtype": dtype_name(engine.kv_plan.dtype), "scales": engine.kv_plan.scales_note})
