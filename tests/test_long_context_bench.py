@@ -124,3 +124,33 @@ def test_markdown_and_plot_from_a_synthetic_record(bench, tmp_path: Path) -> Non
     assert "| 4096 | 100% | 0% | 50% |" in text  # the base's grid: depth 0 right, depth 1 wrong
     bench.plot(record, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_multi_key_probes_through_the_engine_hit_the_prefix_cache_and_answer_as_uncached(tmp_path: Path) -> None:
+    from tests.test_models_vs_hf import make_hf_checkpoint
+    from tests.test_quantize_cli import WORDS, save_word_tokenizer
+    from tokq.engine.checkpoint import load_model
+    from tokq.engine.llm_engine import EngineConfig, LLMEngine
+    from tokq.engine.tokenizer import load_tokenizer
+    from tokq.longctx.documents import Document
+
+    make_hf_checkpoint("llama", tmp_path)
+    save_word_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    rng = torch.Generator().manual_seed(0)
+    docs = [Document(doc_id=f"d{i}", path=Path(f"d{i}.txt"), text=" ".join(WORDS[int(j)] for j in torch.randint(0, 180, (300,), generator=rng)))
+            for i in range(2)]
+    contexts = mk.build_contexts(docs, tok, [160, 256], needles=4, fillers=1, seed=0, add_bos=False)
+    assert [len(c.ids) for c in contexts] == [160, 256]
+
+    def run(prefix_caching: bool):
+        engine = LLMEngine(load_model(tmp_path, dtype="fp32"),
+                           EngineConfig(max_model_len=320, block_size=16, enable_prefix_caching=prefix_caching), tok)
+        return mk.run_multi_key_probes(engine, contexts, tok)
+
+    cached, hit_rate = run(True)
+    plain, no_hits = run(False)
+    assert len(cached) == 8 and no_hits == 0.0
+    assert hit_rate > 0.5  # 3 of each context's 4 requests reuse its full blocks
+    assert [r["output"] for r in cached] == [r["output"] for r in plain]  # the cache changes no answer
+    assert all(r["correct"] == (r["predicted"] == r["key"]) for r in cached)

@@ -89,7 +89,9 @@ def multi_key_context(context: int, filler_ids: list[int], breaks: list[int], he
 def probe_filler(documents, tokenizer, need: int, filler: int, seed: int) -> tuple[list[int], list[int]]:
     """The evaluation documents' tokens in a seeded order (repeated if short), `need` of them, and the positions
     right after a line break."""
-    order = list(documents)
+    order = [d for d in documents if d.text.strip()]
+    if not order:
+        raise ValueError("probe filler: no document has text")
     random.Random(f"{seed}:filler:{filler}").shuffle(order)
     ids: list[int] = []
     sep = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
