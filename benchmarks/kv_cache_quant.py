@@ -51,6 +51,8 @@ DECODE_RATIO_TARGET = 0.5
 def _est(e: dict | None, digits: int = 4, pct: bool = False) -> str:
     if not e:
         return "-"
+    if e.get("low") is None or e.get("high") is None:  # no interval (one document)
+        return f"{e['value']:.2%}" if pct else f"{e['value']:.{digits}g}"
     if pct:
         return f"{e['value']:.2%} [{e['low']:.2%}, {e['high']:.2%}]"
     return f"{e['value']:.{digits}g} [{e['low']:.{digits}g}, {e['high']:.{digits}g}]"
@@ -128,6 +130,14 @@ def bucket_start(label: str) -> int:
     return int(first[:-1]) * 1024 if first.endswith("K") else int(first)
 
 
+def error_bars(estimates: list[dict]) -> list[list[float]]:
+    """matplotlib's [[below], [above]] from estimates; an estimate without an interval (one document) gets none."""
+    def arm(e: dict, side: str) -> float:
+        bound = e.get(side)
+        return 0.0 if bound is None else abs(e["value"] - bound)
+    return [[arm(e, "low") for e in estimates], [arm(e, "high") for e in estimates]]
+
+
 def plot_kl_by_position(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -139,13 +149,13 @@ def plot_kl_by_position(record: dict, path: Path) -> None:
         items = sorted(v["prefill_buckets"].items(), key=lambda kv: bucket_start(kv[0]))
         xs = [bucket_start(b) + 1 for b, _ in items]
         ys = [e["kl"]["value"] for _, e in items]
-        err = [[e["kl"]["value"] - e["kl"]["low"] for _, e in items], [e["kl"]["high"] - e["kl"]["value"] for _, e in items]]
+        err = error_bars([e["kl"] for _, e in items])
         line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{name} (prefill)")
         d = v.get("decode")
         if d:
             x = record["evaluation"].get("decode_from") or xs[-1]
             k = d["kl"]
-            ax.errorbar([x * (1.02 + 0.02 * i)], [k["value"]], yerr=[[k["value"] - k["low"]], [k["high"] - k["value"]]],
+            ax.errorbar([x * (1.02 + 0.02 * i)], [k["value"]], yerr=error_bars([k]),
                         marker="D", color=line[0].get_color(), capsize=3, linestyle="none",
                         label=f"{name} (decode path)")
     ax.set_xscale("log", base=2)
@@ -225,6 +235,21 @@ def summarize(result: dict) -> dict:
             "base_cache_hit": result["cache"]["hit"]}
 
 
+def bench_setup(args, folder: str):
+    """(runtime, checkpoint, model name, work folder $TOKQ_HOME/<folder>/<name>, data folder, documents) for a run
+    with --threads, --device, --seed, --model and --data (default: the default long-document set)."""
+    from tokq.longctx.documents import load_documents
+    from tokq.paths import data_dir, tokq_home
+    from tokq.runtime import setup_runtime
+    from tokq.zoo import resolve_model
+
+    runtime = setup_runtime(args.threads, args.device, args.seed)
+    checkpoint = resolve_model(args.model)
+    name = Path(args.model).name
+    data = Path(args.data) if args.data else data_dir() / "default"
+    return runtime, checkpoint, name, tokq_home() / folder / name, data, load_documents(data)
+
+
 def long_split(documents, tokenizer, tokens: int) -> tuple[list, list]:
     """(documents of at least `tokens` tokens, the rest), each in the given order: the long ones are scored, the
     rest calibrate, so nothing scored was seen in calibration."""
@@ -242,20 +267,11 @@ def main(argv=None) -> None:
     loadavg_before = os.getloadavg()
     started = time.perf_counter()
     from tokq.api.compare import run_compare_settings
-    from tokq.longctx.documents import load_documents
     from tokq.mixed.splits import split_documents
-    from tokq.paths import data_dir, tokq_home
     from tokq.reports.json_io import write_json
-    from tokq.runtime import setup_runtime
     from tokq.settings import CompareSettings
-    from tokq.zoo import resolve_model
 
-    runtime = setup_runtime(args.threads, args.device, args.seed)
-    checkpoint = resolve_model(args.model)
-    name = Path(args.model).name
-    work = tokq_home() / "bench-kv" / name
-    data = Path(args.data) if args.data else data_dir() / "default"
-    docs = load_documents(data)
+    runtime, checkpoint, name, work, data, docs = bench_setup(args, "bench-kv")
     if args.split == "long":
         from tokq.engine.tokenizer import load_tokenizer
 

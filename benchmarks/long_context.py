@@ -50,7 +50,14 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_cache_quant import bucket_start, documents_hash, long_split, without_machine_paths  # noqa: E402
+from kv_cache_quant import (  # noqa: E402
+    bench_setup,
+    bucket_start,
+    documents_hash,
+    error_bars,
+    long_split,
+    without_machine_paths,
+)
 from kv_cache_quant import build as build_kv  # noqa: E402
 from mixed_precision import git_commit, home_relative, write_split  # noqa: E402
 
@@ -191,12 +198,10 @@ def plot(record: dict, path: Path) -> None:
         items = sorted(v["prefill_buckets"].items(), key=lambda kv: bucket_start(kv[0]))
         xs = [bucket_start(b) + 1 for b, _ in items]
         ys = [e["kl"]["value"] for _, e in items]
-        err = [[e["kl"]["value"] - e["kl"]["low"] for _, e in items],
-               [e["kl"]["high"] - e["kl"]["value"] for _, e in items]]
+        err = error_bars([e["kl"] for _, e in items])
         line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{name} (prefill)")
         k = v["decode"]["kl"]
-        ax.errorbar([decode_x * (1.03 + 0.03 * i)], [k["value"]], yerr=[[k["value"] - k["low"]],
-                                                                         [k["high"] - k["value"]]],
+        ax.errorbar([decode_x * (1.03 + 0.03 * i)], [k["value"]], yerr=error_bars([k]),
                     marker="D", color=line[0].get_color(), capsize=3, linestyle="none", label=f"{name} (decode)")
     floor = record.get("noise_floor")
     if floor and floor["decode_kl_mean"] > 0:
@@ -317,20 +322,11 @@ def main(argv=None) -> None:  # noqa: C901 - one linear script
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
     from tokq.evalsuite.ab import score_baseline, score_candidate
     from tokq.evalsuite.compare import _probe_comparison
-    from tokq.longctx.documents import load_documents
     from tokq.longctx.text_encoding import as_text_encoder
     from tokq.longctx.windows import build_windows
-    from tokq.paths import data_dir, tokq_home
     from tokq.reports.json_io import write_json
-    from tokq.runtime import setup_runtime
-    from tokq.zoo import resolve_model
 
-    runtime = setup_runtime(args.threads, args.device, args.seed)
-    checkpoint = resolve_model(args.model)
-    name = Path(args.model).name
-    work = tokq_home() / "bench-long" / name
-    data = Path(args.data) if args.data else data_dir() / "default"
-    docs = load_documents(data)
+    runtime, checkpoint, name, work, data, docs = bench_setup(args, "bench-long")
     tokenizer = load_tokenizer(checkpoint)
     add_bos = model_adds_bos(tokenizer)
     capacity = args.window - int(add_bos)

@@ -76,3 +76,10 @@ def test_late_prefill_ratio_uses_the_last_bucket(bench):
     assert bench.decode_ratio_check(r["variants"]) is None  # no decode path run
     r["target_late_prefill"] = check
     assert "Decode path off" in bench.kv_markdown({**r, "evaluation": {**r["evaluation"], "decode_windows": 0}})
+
+
+def test_error_bars_leave_an_estimate_without_interval_bare(bench) -> None:
+    # one document scored: the aggregation gives no interval, and the plot must still draw the point
+    bars = bench.error_bars([est(0.01, 0.005, 0.02), {"value": 0.03, "low": None, "high": None}])
+    assert bars == [[pytest.approx(0.005), 0.0], [pytest.approx(0.01), 0.0]]
+    assert bench._est({"value": 0.03, "low": None, "high": None}) == "0.03"
