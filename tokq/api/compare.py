@@ -220,7 +220,34 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     result["kv_dtype"] = {"a": s.kv_dtype, "b": s.b_kv_dtype or s.kv_dtype}
     # what each side's cache was (A's may come from the baseline cache and then was not loaded this run)
     result["kv_cache"] = {side: kv_caches[side] for side in ("a", "b") if kv_caches.get(side)}
+    result["calibration_distance"] = calibration_distances({"a": (a, ckpt_a), "b": (b, ckpt_b)}, windows)
     return CompareResult(result)
+
+
+def calibration_distances(sides: dict[str, tuple[str, Path]], windows) -> dict:
+    """Per side quantized by tokq with calibration: how far the scored windows' tokens lie from its calibration
+    tokens (evalsuite.calibration_distance), each far one warned about on the console and in `warning`."""
+    import torch
+
+    from tokq.evalsuite.calibration_distance import distance_record, far_warning, token_histogram
+
+    evaluated = token_histogram(torch.tensor([t for w in windows.windows for t in w.tokens], dtype=torch.long))
+    out = {}
+    for side, (name, checkpoint) in sides.items():
+        path = checkpoint / "tokq_quantization.json"
+        try:
+            record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            distance = distance_record(record, evaluated) if isinstance(record, dict) else None
+        except (OSError, ValueError) as exc:  # a damaged record loses this note, not the comparison
+            console.print(f"[yellow]note:[/] {path}: cannot read its calibration record ({exc})", highlight=False)
+            continue
+        if distance is None:
+            continue
+        if distance["far"]:
+            distance["warning"] = far_warning(name, distance)
+            console.print(f"[yellow]warning:[/] {distance['warning']}", highlight=False)
+        out[side] = distance
+    return out
 
 
 def _check_power(s: CompareSettings, probe_ctx: int, engine_len: int | None, documents: int) -> None:

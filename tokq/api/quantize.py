@@ -213,6 +213,8 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         if recipe_sha256 is not None:
             provenance["recipe_sha256"] = recipe_sha256  # in tokq_quantization.json, inside the atomic write
         provenance.update(extra_provenance or {})
+        if calibration is not None:  # compare and the gate measure how far the documents they judge lie from these
+            provenance["calibration_tokens"] = calibration.token_histogram().to_json()
         if searched:
             from tokq.api.quantize_mix import quantize_mixed
 

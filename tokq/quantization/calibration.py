@@ -1,7 +1,10 @@
 """Calibration: token sequences from documents, and the block-by-block walk through the model.
 
 `calibration_samples` cuts the documents into windows of `seq_len` tokens (the model's BOS
-policy applied) and draws `num_samples` of them with a seeded RNG. `BlockwiseRunner` pushes all
+policy applied) and draws `num_samples` of them with a seeded RNG, as an even mix of the documents'
+sources (`source_of`: a sub-folder, or a file at the top of the folder), so one large source cannot
+crowd out the rest: calibrated on one kind of text only, GPTQ and AWQ lose part of their gain on
+the others (benchmarks/calibration_shift.py). `BlockwiseRunner` pushes all
 samples through the embeddings once, then visits the decoder blocks in order: a method quantizes
 block i on the inputs captured there, then the *quantized* block produces the inputs of block
 i + 1, so every block is calibrated on what the quantized model will really feed it. Peak
@@ -13,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +42,7 @@ class CalibrationSet:
     data_hash: str
     seed: int
     requested: int
+    sources: dict[str, int] = field(default_factory=dict)  # source -> calibration windows drawn from it
 
     @property
     def num_samples(self) -> int:
@@ -52,7 +57,43 @@ class CalibrationSet:
             "source": self.source, "data_hash": self.data_hash, "seed": self.seed,
             "num_samples": self.num_samples, "requested_samples": self.requested, "seq_len": self.seq_len,
             "tokens_hash": hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()[:16],
+            "source_tokens": {name: n * self.seq_len for name, n in sorted(self.sources.items())},
         }
+
+    def token_histogram(self):
+        """The calibration tokens' id histogram (evalsuite.calibration_distance), which `tokq quantize` records
+        so that compare and the gate can tell how far the documents they judge lie from these."""
+        from tokq.evalsuite.calibration_distance import token_histogram
+
+        return token_histogram(self.tokens)
+
+
+def source_of(doc_id: str) -> str:
+    """The source a document belongs to: its top-level sub-folder, or its file when that lies at the top
+    (`notes.jsonl#L3` -> `notes.jsonl`)."""
+    first = doc_id.split("/", 1)[0]
+    return first.split("#", 1)[0] if "/" not in doc_id else first
+
+
+def mixed_sample(windows: list, count: int, rng: random.Random) -> list:
+    """`count` windows (all, if fewer) spread evenly over their sources: each source's windows in a seeded
+    random order, then one from each source in turn (sources in name order), a source that runs out leaving
+    its turns to the others."""
+    by_source: dict[str, list] = defaultdict(list)
+    for w in windows:
+        by_source[source_of(w.doc_id)].append(w)
+    queues = []
+    for name in sorted(by_source):
+        group = by_source[name]
+        queues.append(rng.sample(group, len(group)))
+    picked: list = []
+    turn = 0
+    while len(picked) < count and any(queues):
+        queue = queues[turn % len(queues)]
+        if queue:
+            picked.append(queue.pop())
+        turn += 1
+    return picked
 
 
 def calibration_samples(
@@ -75,12 +116,15 @@ def calibration_samples(
     if not full:
         raise DataError(f"{data}: no document is long enough for one calibration window of {seq_len} tokens; "
                         "use a smaller --seq-len or longer documents")
-    picked = random.Random(seed).sample(full, min(num_samples, len(full)))
+    picked = mixed_sample(full, num_samples, random.Random(seed))
     if len(picked) < num_samples:
         log.warning("calibration: asked for %d samples of %d tokens, %s has only %d; continuing with %d",
                     num_samples, seq_len, data, len(full), len(picked))
     tokens = torch.tensor([w.tokens for w in picked], dtype=torch.long)
-    return CalibrationSet(tokens, str(data), docs.content_hash(), seed, num_samples)
+    sources: dict[str, int] = defaultdict(int)
+    for w in picked:
+        sources[source_of(w.doc_id)] += 1
+    return CalibrationSet(tokens, str(data), docs.content_hash(), seed, num_samples, dict(sources))
 
 
 @contextmanager

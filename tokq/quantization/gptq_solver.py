@@ -62,12 +62,13 @@ import torch
 
 from tokq.errors import ConfigError, TokqError
 from tokq.kernels.reference import IntWeight
-from tokq.quantization.rounding import check_finite, int_qparams
+from tokq.quantization.rounding import check_finite, int_qparams, mse_qparams
 from tokq.quantization.scheme import CHANNEL, WeightArgs
 
 log = logging.getLogger("tokq")
 
 MAX_DAMP = 1.0  # the largest damp the retry loop tries (a larger --damp is still tried once)
+SCALE_SEARCHES = ("mse", "minmax", "mse-h")  # how a grid's range is chosen (see `_grid`)
 
 
 class HessianAccumulator:
@@ -184,10 +185,11 @@ def gptq_quantize(
     block_size: int = 128,
     static_groups: bool = True,
     layer_name: str = "",
+    scale_search: str = "mse",
 ) -> GPTQResult:
     """Quantize w [N, K] with GPTQ against the Hessian [K, K] of its inputs (see the module doc)."""
     with _one_cpu_thread(w.device):
-        return _gptq_quantize(w, hessian, args, act_order, damp, block_size, static_groups, layer_name)
+        return _gptq_quantize(w, hessian, args, act_order, damp, block_size, static_groups, layer_name, scale_search)
 
 
 def _gptq_quantize(
@@ -199,6 +201,7 @@ def _gptq_quantize(
     block_size: int,
     static_groups: bool,
     layer_name: str,
+    scale_search: str = "mse",
 ) -> GPTQResult:
     start = time.perf_counter()
     layer = layer_name or "layer"
@@ -212,6 +215,8 @@ def _gptq_quantize(
     if act_order and args.strategy != CHANNEL and not static_groups:
         raise ConfigError("act-order GPTQ needs static groups in tokq (dynamic act-order groups need a g_idx "
                           "layout that tokq does not write)")
+    if scale_search not in SCALE_SEARCHES:
+        raise ConfigError(f"GPTQ scale search must be one of {', '.join(SCALE_SEARCHES)}, got {scale_search!r}")
     if damp <= 0:
         raise ConfigError(f"GPTQ damp must be positive, got {damp}")
     if block_size < 1:
@@ -237,8 +242,17 @@ def _gptq_quantize(
     if dynamic:
         scale = torch.empty(n, groups, device=device)
         zero = None if args.symmetric else torch.empty(n, groups, dtype=torch.int8, device=device)
-    else:
-        scale, zero = int_qparams(W, args)  # per channel: [N, 1]; static groups: [N, G]
+    importance = H.diagonal().clone() if scale_search == "mse-h" else None
+
+    def grid(weights: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale and zero of `weights` (columns first.. of W): min/max, or the MSE-searched clip."""
+        if scale_search == "minmax":
+            return int_qparams(weights, args)
+        imp = None if importance is None else importance[first : first + weights.shape[1]]
+        return mse_qparams(weights, args, importance=imp)
+
+    if not dynamic:
+        scale, zero = grid(W)  # per channel: [N, 1]; static groups: [N, G]
 
     if act_order:
         perm = torch.sort(H.diagonal(), descending=True, stable=True).indices
@@ -270,7 +284,7 @@ def _gptq_quantize(
                 if end > i2:
                     rest = W[:, i2:end] - E1[:, :i] @ U[i1:col, i2:end]
                     cur = torch.cat([cur, rest], dim=1)
-                s, z = int_qparams(cur, args)
+                s, z = grid(cur, col)
                 scale[:, g] = s[:, 0]
                 if zero is not None:
                     zero[:, g] = z[:, 0]

@@ -45,6 +45,42 @@ def int_qparams(
     return scale, zero.to(torch.int8)
 
 
+# The clip ratios and error exponent of the MSE scale search (`mse_qparams`): llm-compressor's `mse`
+# observer uses the same shrink steps (1.00, 0.98, ..., down to 0.70 here) and the same |w - q|^2.4 norm,
+# which weighs large rounding errors a little more than squared error does.
+MSE_CLIP_RATIOS = tuple(round(1.0 - 0.02 * i, 2) for i in range(16))
+MSE_NORM = 2.4
+
+
+def mse_qparams(
+    w: torch.Tensor, args: WeightArgs, ratios: tuple[float, ...] = MSE_CLIP_RATIOS, norm: float = MSE_NORM,
+    importance: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`int_qparams` with each group's range shrunk by the ratio (of `ratios`) that minimises the group's
+    sum of importance_k * |w - q|^norm, q the weights rounded onto that grid; `importance` [K] defaults to 1.
+
+    The min/max grid spends its levels on each group's extreme weights; a slightly clipped grid rounds
+    the bulk of the group more finely. Ties keep the larger ratio (the first tried)."""
+    g = _grouped(w.float(), args)
+    imp = None if importance is None else _grouped(importance.float().reshape(1, -1), args)
+    best_err = best_scale = best_zero = None
+    for ratio in ratios:
+        scale, zero = int_qparams(w, args, ratio)
+        s = scale.unsqueeze(-1)
+        z = 0.0 if zero is None else zero.float().unsqueeze(-1)
+        err = ((torch.round(g / s + z).clamp(args.qmin, args.qmax) - z) * s - g).abs().pow(norm)
+        err = (err if imp is None else err * imp).sum(-1)
+        if best_err is None:
+            best_err, best_scale, best_zero = err, scale, zero
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
 def quantize_with(w: torch.Tensor, args: WeightArgs, scale: torch.Tensor, zero: torch.Tensor | None) -> IntWeight:
     """Round w onto a given grid (per group) and return the integer weight."""
     g = _grouped(w.float(), args)

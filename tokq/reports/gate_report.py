@@ -119,6 +119,10 @@ def gate_markdown(report: dict) -> str:
     notes = [f"- {name}: {_result(r)} — {r['rule']}" for name, r in ordered_rules(report) if _result(r) != "pass"]
     if notes:
         lines += ["", *notes]
+    for name, v in report["variants"].items():  # judged far from its calibration documents: say so beside the verdict
+        for d in (v["compare"].get("calibration_distance") or {}).values():
+            if d.get("warning"):
+                lines.append(f"\n{name}: warning: {d['warning']}")
     lines += _speed_markdown(report)
     lines += _documents_markdown(report)
     for name, v in report["variants"].items():

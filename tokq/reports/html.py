@@ -15,7 +15,7 @@ from jinja2 import Environment, StrictUndefined, Template
 from markupsafe import Markup
 
 from tokq.reports import plots
-from tokq.reports.markdown import METRIC_LABELS, probes_line, verdict_word
+from tokq.reports.markdown import METRIC_LABELS, calibration_distance_lines, probes_line, verdict_word
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1000px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}
@@ -62,7 +62,8 @@ COMPARE_PAGE = """\
 <tr><td>{{ label }}</td><td>{{ prefill }}</td><td>{{ decode }}</td></tr>
 {% endfor %}
 </table>
-{% if floor %}
+{% for line in calibration %}<p>{{ line }}</p>
+{% endfor %}{% if floor %}
 <p>Noise floor ({{ floor.what }}): mean KL {{ floor.kl_mean }}, top-1 {{ floor.top1 }} over {{ floor.tokens }} tokens.</p>
 {% endif %}
 <h2>By position</h2>
@@ -113,6 +114,7 @@ def compare_html(result: dict) -> str:
         COMPARE_PAGE, a=result["a"]["name"], b=result["b"]["name"], passed=bool(result["passed"]),
         verdict="PASS" if result["passed"] else verdict_word(result["thresholds"]), w=result["windows"],
         kl_method=result["kl_method"], overall=overall, floor=floor,
+        calibration=[line.replace("**", "") for line in calibration_distance_lines(result) if line],
         kl_plot=plots.metric_by_bucket(named, "kl", "KL(A‖B)"),
         top1_plot=plots.metric_by_bucket(named, "top1", "top-1 agreement"),
         documents_plot=plots.document_distribution(named), probes=probes,

@@ -88,6 +88,18 @@ def _kl_tails(result: dict) -> list[str]:
     return lines
 
 
+def calibration_distance_lines(result: dict) -> list[str]:
+    """A line per side quantized with calibration: how far these documents lie from its calibration documents."""
+    lines = []
+    for side, d in (result.get("calibration_distance") or {}).items():
+        head = f"**Warning:** {d['warning']}" if d.get("warning") else \
+            f"{result[side]['name']}: calibrated on {d['calibration_source']}"
+        lines += ["", f"{head}; token distance (Jensen-Shannon, unigram) between its {d['calibration_tokens']} "
+                      f"calibration tokens and these {d['evaluated_tokens']}: {d['js_bits']:.3f} bits "
+                      f"(warned above {d['threshold']:.2f})."]
+    return lines
+
+
 def compare_markdown(result: dict) -> str:
     """`tokq compare`'s summary: verdict, overall metrics with 95% CIs per path, position buckets, probes."""
     a, b = result["a"]["name"], result["b"]["name"]
@@ -108,6 +120,7 @@ def compare_markdown(result: dict) -> str:
     for side, cache in (result.get("kv_cache") or {}).items():
         if cache.get("scales"):  # only an int8/fp8 cache is worth a line: its scales decide its error
             lines += ["", f"{result[side]['name']}'s KV cache: {cache['scales']}."]
+    lines += calibration_distance_lines(result)
     floor = result.get("noise_floor")
     if floor:
         lines += ["", f"Noise floor ({floor['what']}): mean KL {floor['kl_mean']:.2e}, top-1 {floor['top1']:.2%} "

@@ -37,6 +37,7 @@ def quantize_block(ctx: BlockContext, scheme: QuantScheme | LayerSchemes, option
             result = gptq_quantize(
                 linears[n].weight.float(), hessians[n].hessian, schemes[n].weights, act_order=options.act_order,
                 damp=options.damp, block_size=options.gptq_block_size, layer_name=f"model.layers.{ctx.index}.{n}",
+                scale_search=options.gptq_scale_search,
             )
             stats[n] = {"proxy_error": result.proxy_error, "damp": result.damp_used}
             act = schemes[n].activations.name if schemes[n].activations else None

@@ -19,6 +19,10 @@ class MethodOptions:
     damp: float = 0.01
     gptq_block_size: int = 128
     true_sequential: bool = True
+    # How each group's grid range is chosen before the GPTQ pass: "mse" searches a clip ratio per group
+    # (rounding.mse_qparams); "minmax" takes the group's full range (the paper's, and llm-compressor's
+    # default). benchmarks/calibration_shift.py measures the difference across calibration domains.
+    gptq_scale_search: str = "mse"
     # SmoothQuant
     alpha: float | None = 0.5  # None: search alpha per block
     alpha_grid: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
