@@ -9,7 +9,7 @@ import torch
 
 from tokq.errors import ConfigError, TokqError
 from tokq.quantization.gptq_solver import HessianAccumulator, gptq_quantize
-from tokq.quantization.rounding import quantize_rtn, quantize_with
+from tokq.quantization.rounding import mse_qparams, quantize_rtn, quantize_with
 from tokq.quantization.scheme import WeightArgs
 
 SYM64 = WeightArgs(bits=4, symmetric=True, strategy="group", group_size=64)
@@ -137,17 +137,19 @@ def test_block_size_does_not_change_the_result(layer):
 
 
 # (d) with an identity-like Hessian there is nothing to compensate: GPTQ ~ RTN.
+# With MSE-searched scales the grid is RTN's on the same searched ranges.
+@pytest.mark.parametrize("scales", ["minmax", "mse"])
 @pytest.mark.parametrize("args", SCHEMES, ids=IDS)
-def test_identity_hessian_matches_rtn(args):
+def test_identity_hessian_matches_rtn(args, scales):
     k, n = 128, 96
     w = llm_weight(n, k, seed=5)
-    rtn = quantize_rtn(w, args)
-    exact = gptq_quantize(w, 2.0 * torch.eye(k), args)
+    rtn = quantize_rtn(w, args) if scales == "minmax" else quantize_with(w, args, *mse_qparams(w, args))
+    exact = gptq_quantize(w, 2.0 * torch.eye(k), args, scale_search=scales)
     assert torch.equal(exact.weight.q, rtn.q)
     assert torch.equal(exact.weight.scale, rtn.scale)
     x = torch.randn(8192, k, generator=torch.Generator().manual_seed(6))  # uncorrelated unit inputs
     h = hessian_of(x)
-    res = gptq_quantize(w, h, args)
+    res = gptq_quantize(w, h, args, scale_search=scales)
     rtn_err = proxy(w, rtn.dequantize(), h)
     assert 0.9 * rtn_err < res.proxy_error < 1.01 * rtn_err
     assert float((res.weight.q == rtn.q).float().mean()) > 0.9

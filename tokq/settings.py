@@ -25,6 +25,7 @@ class QuantizeSettings:
     sym: bool | None = None
     act_order: bool | None = None  # GPTQ only (default: on)
     damp: float = 0.01  # GPTQ
+    gptq_scales: str = "mse"  # GPTQ: each group's grid range, "mse" (searched clip) or "minmax"
     alpha: str | float | None = None  # SmoothQuant (or fp8's optional smoothing): a number in [0, 1] or "search"
     calib: Path | None = None  # calibration documents (default: the default long-document set)
     num_samples: int = 32

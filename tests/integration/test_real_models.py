@@ -92,10 +92,10 @@ def test_score_cli_end_to_end(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
-def test_awq_quantize_cli_on_smollm2_beats_rtn_and_hf_reads_it(tmp_path, monkeypatch):
-    """`tokq quantize --method awq` on the real SmolLM2-135M (small calibration), then: the checkpoint
-    loads in tokq and in HF transformers + compressed-tensors with the same logits, and AWQ's KL to
-    the base model is clearly below RTN's on text it was not calibrated on."""
+def test_awq_and_gptq_quantize_cli_on_smollm2_beat_rtn_and_hf_reads_it(tmp_path, monkeypatch):
+    """`tokq quantize --method awq` (and gptq) on the real SmolLM2-135M (small calibration), then: the AWQ
+    checkpoint loads in tokq and in HF transformers + compressed-tensors with the same logits, and AWQ's and
+    GPTQ's KL to the base model are clearly below RTN's on text they were not calibrated on."""
     pytest.importorskip("compressed_tensors", reason="HF interop needs the compressed-tensors package")
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +105,7 @@ def test_awq_quantize_cli_on_smollm2_beats_rtn_and_hf_reads_it(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     calib = real_document(tmp_path)  # argparse.py
     outs = {}
-    for method in ("rtn", "awq"):
+    for method in ("rtn", "awq", "gptq"):
         outs[method] = tmp_path / f"smollm2-{method}"
         code = main(["quantize", "--method", method, "--model", "smollm2-135m", "--out", str(outs[method]),
                      "--group-size", "64", "--calib", str(calib), "--num-samples", "8", "--seq-len", "256",
@@ -123,6 +123,10 @@ def test_awq_quantize_cli_on_smollm2_beats_rtn_and_hf_reads_it(tmp_path, monkeyp
     kl = {m: divergence(base, load_model(outs[m]), [Window()]).summary()["kl_mean"] for m in outs}
     print(f"SmolLM2 w4 g64 KL on held-out text: rtn {kl['rtn']:.4f} awq {kl['awq']:.4f}")
     assert kl["awq"] < 0.85 * kl["rtn"]
+    # GPTQ (MSE-searched group scales, act-order) keeps its gain on text it was not calibrated on
+    assert kl["gptq"] < 0.75 * kl["rtn"], kl
+    record = json.loads((outs["gptq"] / "tokq_quantization.json").read_text())
+    assert record["result"]["calibration"]["source_tokens"] == {"argparse.txt": 8 * 256}
     ours = load_model(outs["awq"]).logits(torch.tensor([ids[:128]]))
     hf = AutoModelForCausalLM.from_pretrained(str(outs["awq"]), dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():

@@ -142,6 +142,8 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         raise ConfigError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)} (or none with --kv-cache)")
     if s.act_order is not None and method != "gptq":
         raise ConfigError(f"--act-order is a GPTQ option; it does not apply to --method {method}")
+    if s.gptq_scales not in GPTQ_SCALES:
+        raise ConfigError(f"--gptq-scales {s.gptq_scales!r}: choose {' or '.join(GPTQ_SCALES)}")
     check_mix_settings(s, chosen=layer_assignment is not None)  # before parse_alpha: --alpha with --mix is refused as a mix error
     check_kv_cache_settings(s)
     alpha_given, alpha_value = parse_alpha(s.alpha, method)
@@ -296,6 +298,7 @@ def check_kv_cache_settings(s: QuantizeSettings) -> None:
                           "with `tokq compare --b-kv-dtype fp8`")
 
 
+GPTQ_SCALES = ("mse", "minmax")  # --gptq-scales (gptq_solver also takes an experimental "mse-h")
 KV_ONLY = "none"  # --method none: the weights stay as they are; only the KV cache is quantized
 
 
@@ -341,10 +344,10 @@ def _dir_bytes(path: Path) -> int:
 
 
 def method_options(s):
-    """The GPTQ options of QuantizeSettings `s` (damp, act_order) as the methods take them."""
+    """The GPTQ options of QuantizeSettings `s` (damp, act_order, scales) as the methods take them."""
     from tokq.quantization.methods.options import MethodOptions
 
-    options = MethodOptions(damp=s.damp)
+    options = MethodOptions(damp=s.damp, gptq_scale_search=s.gptq_scales)
     if s.act_order is not None:
         options.act_order = s.act_order
     return options

@@ -46,6 +46,11 @@ def quantize_cmd(
         help="GPTQ: quantize columns by decreasing activation energy, with static groups (default: on).",
     ),
     damp: float = typer.Option(0.01, "--damp", help="GPTQ: Hessian dampening as a fraction of its mean diagonal."),
+    gptq_scales: str = typer.Option(
+        "mse", "--gptq-scales",
+        help="GPTQ: each group's grid range: 'mse' (the clip ratio with the least rounding error, default) or "
+        "'minmax' (the group's full range).",
+    ),
     alpha: str = typer.Option(
         None, "--alpha",
         help="SmoothQuant migration strength in [0, 1] (default 0.5) or 'search'; with --method fp8, smooth "
@@ -101,7 +106,7 @@ def quantize_cmd(
 
     check_json_target(json_path)  # refused before the quantization, not after
     settings = QuantizeSettings(method=method, scheme=scheme, bits=bits, group_size=group_size, sym=sym,
-                                act_order=act_order, damp=damp, alpha=alpha, calib=calib, num_samples=num_samples,
+                                act_order=act_order, damp=damp, gptq_scales=gptq_scales, alpha=alpha, calib=calib, num_samples=num_samples,
                                 seq_len=seq_len, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb,
                                 save_dtype=save_dtype, seed=seed, mix=mix, target_kl=target_kl,
                                 max_size_ratio=max_size_ratio, kv_cache=kv_cache,
