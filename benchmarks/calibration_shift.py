@@ -29,12 +29,15 @@ Statistics (all over the documents of the evaluation set: a document is the resa
 Targets (issue 20), per (calibration, evaluation) pair: tokq GPTQ >= 25% below RTN and no worse than
 llm-compressor's GPTQ; tokq AWQ >= 25% below RTN (point estimates; intervals beside them).
 
-Also the token distance between each calibration set and each evaluation set (tokq.evalsuite.
-calibration_distance: Jensen-Shannon divergence of their unigram token distributions), so the
-warning threshold that `tokq compare` applies can be read against measured gains.
+Also the token distance between each calibration set and each evaluation set, in-domain included
+(tokq.evalsuite.calibration_distance: the excess of the unigram Jensen-Shannon divergence over that of
+same-distribution samples of the same sizes), so the warning threshold that `tokq compare` applies can be
+read against measured gains.
 
-Resumable: cells already in the result file for the same settings are kept. Writes
-benchmarks/results/calibration-shift-<model>.json and .md after every build.
+Resumable: cells already in the result file for the same settings are kept; `--builds ""` quantizes
+nothing and refreshes the distances, the summary and the table.
+
+Writes benchmarks/results/calibration-shift-<model>.json and .md after every build.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from safetensors.torch import save_file  # noqa: E402
 from tokq import __version__  # noqa: E402
 from tokq.engine.checkpoint import load_model  # noqa: E402
 from tokq.engine.tokenizer import load_tokenizer, model_adds_bos  # noqa: E402
-from tokq.evalsuite.calibration_distance import token_histogram, unigram_js  # noqa: E402
+from tokq.evalsuite.calibration_distance import token_distance, token_histogram  # noqa: E402
 from tokq.evalsuite.divergence import divergence, final_hidden  # noqa: E402
 from tokq.evalsuite.stats.bootstrap import mean_interval  # noqa: E402
 from tokq.longctx.documents import load_documents  # noqa: E402
@@ -208,7 +211,7 @@ def summarize(record: dict) -> dict:
             if "gptq" in b and "peer-gptq" in b:
                 ratio = b["gptq"]["over_peer-gptq"]["value"]
                 row["targets"]["gptq_no_worse_than_llmcompressor"] = {"value": ratio, "met": ratio <= 1.0}
-            row["token_js"] = record["distances"].get(calib, {}).get(ev)
+            row["token_distance"] = (record["distances"].get(calib, {}).get(ev) or {}).get("excess_bits")
             out[f"{calib}->{ev}"] = row
     return out
 
@@ -221,7 +224,7 @@ def markdown(record: dict) -> str:
              f"{record['settings']['eval_window']} tokens per set; mean KL(base‖quant) over the full vocabulary, "
              "95% intervals over documents. `-x%` is the KL reduction against RTN on the same tokens.",
              "",
-             "| calib -> eval | JS | RTN | tokq GPTQ | GPTQ min/max | llm-c GPTQ | tokq AWQ | llm-c AWQ | targets |",
+             "| calib -> eval | distance | RTN | tokq GPTQ | GPTQ min/max | llm-c GPTQ | tokq AWQ | llm-c AWQ | targets |",
              "|---|---|---|---|---|---|---|---|---|"]
 
     def cell(b: dict | None) -> str:
@@ -234,10 +237,13 @@ def markdown(record: dict) -> str:
     for pair, row in record["summary"].items():
         b = row["builds"]
         met = [f"{k}: {'met' if t['met'] else 'NOT MET'}" for k, t in row["targets"].items()]
-        js = row.get("token_js")
-        lines.append(f"| {pair} | {'-' if js is None else f'{js:.3f}'} | " + " | ".join(
+        dist = row.get("token_distance")
+        lines.append(f"| {pair} | {'-' if dist is None else f'{dist:.3f}'} | " + " | ".join(
             cell(b.get(n)) for n in ("rtn", "gptq", "gptq-minmax", "peer-gptq", "awq", "peer-awq"))
             + f" | {'; '.join(met)} |")
+    lines += ["", "In-domain token distances (calibration against evaluation windows of its own domain, which may "
+              "share documents): " + ", ".join(f"{c} {(record['distances'].get(c, {}).get(c) or {}).get('excess_bits', 0):.3f}"
+                                               for c in record["settings"]["calib"]) + "."]
     lines += ["", "Quantization seconds (this machine, threads as recorded): " + ", ".join(
         f"{k} {v:.0f}" for k, v in sorted(record["seconds"].items()))]
     return "\n".join(lines) + "\n"
@@ -294,17 +300,26 @@ def main() -> None:
     record["hardware"] = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     base = load_model(checkpoint, dtype="fp32")
-    hiddens = {n: [final_hidden(base, torch.tensor(w.tokens)) for w in ws.windows] for n, (ws, _d) in sets.items()}
+    todo = [("rtn", None)] if "rtn" in builds else []
+    todo += [(b, c) for c in calibs for b in builds if b != "rtn"]
+    hiddens = {n: [final_hidden(base, torch.tensor(w.tokens)) for w in ws.windows] for n, (ws, _d) in sets.items()} \
+        if todo else {}
     eval_hist = {n: token_histogram(torch.tensor([t for w in ws.windows for t in w.tokens]))
                  for n, (ws, _d) in sets.items()}
+
+    def draw(domain: str):
+        return calibration_samples(data_dir() / "default", tokenizer, add_bos, args.num_samples, args.seq_len,
+                                   args.seed, documents=domain_documents(root_docs, domain))
+
+    for domain in settings["calib"]:  # cheap (tokenizing), and refreshed on every run
+        calib_hist = token_histogram(draw(domain).tokens)
+        record["distances"][domain] = {n: token_distance(calib_hist, h) for n, h in eval_hist.items()}
 
     def save() -> None:
         record["summary"] = summarize(record)
         write_json(out_json, record)
         out_json.with_suffix(".md").write_text(markdown(record), encoding="utf-8")
 
-    todo = [("rtn", None)] if "rtn" in builds else []
-    todo += [(b, c) for c in calibs for b in builds if b != "rtn"]
     for build, calib_domain in todo:
         key = build if calib_domain is None else f"{build}@{calib_domain}"
         targets = [n for n in sets if n != calib_domain]
@@ -312,11 +327,8 @@ def main() -> None:
             continue
         calib = None
         if calib_domain is not None:
-            calib = calibration_samples(data_dir() / "default", tokenizer, add_bos, args.num_samples, args.seq_len,
-                                        args.seed, documents=domain_documents(root_docs, calib_domain))
+            calib = draw(calib_domain)
             record["calibration"][calib_domain] = calib.to_json()
-            calib_hist = token_histogram(calib.tokens)
-            record["distances"][calib_domain] = {n: unigram_js(calib_hist, h) for n, h in eval_hist.items()}
         started = time.perf_counter()
         print(f"[{key}] quantizing ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="tokq-shift-") as tmp:

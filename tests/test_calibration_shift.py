@@ -14,7 +14,13 @@ from tests.test_models_vs_hf import make_hf_checkpoint
 from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
 from tokq.errors import ConfigError
-from tokq.evalsuite.calibration_distance import FAR_JS, TokenHistogram, token_histogram, unigram_js
+from tokq.evalsuite.calibration_distance import (
+    FAR_EXCESS,
+    TokenHistogram,
+    token_distance,
+    token_histogram,
+    unigram_js,
+)
 from tokq.quantization.calibration import mixed_sample, source_of
 from tokq.quantization.gptq_solver import gptq_quantize
 from tokq.quantization.rounding import MSE_CLIP_RATIOS, MSE_NORM, int_qparams, mse_qparams
@@ -95,6 +101,21 @@ def test_js_distance():
         TokenHistogram.from_json({"ids": [1, 2], "counts": [1]})
 
 
+def test_the_distance_discounts_sample_size():
+    """Two samples of one distribution: the raw JS grows as the samples shrink, the excess stays near 0; samples of
+    two different distributions keep a large excess at every size."""
+    gen = torch.Generator().manual_seed(0)
+    zipf = 1.0 / torch.arange(1, 2001, dtype=torch.float64)
+    other = zipf[torch.randperm(2000, generator=gen)]  # the same shape over other tokens
+    def draw(p, n):
+        return token_histogram(torch.multinomial(p, n, replacement=True, generator=gen))
+    small, large = token_distance(draw(zipf, 500), draw(zipf, 500)), token_distance(draw(zipf, 20000), draw(zipf, 20000))
+    assert small["js_bits"] > 2 * large["js_bits"]
+    assert abs(small["excess_bits"]) < 0.05 and abs(large["excess_bits"]) < 0.02
+    for n in (500, 20000):
+        assert token_distance(draw(zipf, n), draw(other, n))["excess_bits"] > 0.3
+
+
 @pytest.fixture(scope="module")
 def two_domains(tmp_path_factory) -> dict[str, Path]:
     """A tiny model, calibration documents in two sources of the first half of the vocabulary, and documents of
@@ -144,10 +165,11 @@ def test_quantize_records_sources_and_compare_warns_when_far(capsys, two_domains
 
     far, far_text = compare(d["other"])
     distance = far["calibration_distance"]["b"]
-    assert distance["js_bits"] > 0.9 and distance["far"] and distance["threshold"] == FAR_JS
+    assert distance["js_bits"] > 0.9 and distance["excess_bits"] > 0.5 and distance["far"]
+    assert distance["threshold"] == FAR_EXCESS
     assert "a" not in far["calibration_distance"]  # the 16-bit side was never calibrated
     assert "calibrated on documents far from these" in far_text and "**Warning:**" in far_text
     assert far_text.count("calibrated on documents far from these") == 3  # console, report.md, report.html
     near, near_text = compare(d["calib"])
-    assert near["calibration_distance"]["b"]["js_bits"] < FAR_JS and not near["calibration_distance"]["b"]["far"]
+    assert near["calibration_distance"]["b"]["excess_bits"] < FAR_EXCESS and not near["calibration_distance"]["b"]["far"]
     assert "far from these" not in near_text and "calibrated on" in near_text

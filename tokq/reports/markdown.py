@@ -94,9 +94,10 @@ def calibration_distance_lines(result: dict) -> list[str]:
     for side, d in (result.get("calibration_distance") or {}).items():
         head = f"**Warning:** {d['warning']}" if d.get("warning") else \
             f"{result[side]['name']}: calibrated on {d['calibration_source']}"
-        lines += ["", f"{head}; token distance (Jensen-Shannon, unigram) between its {d['calibration_tokens']} "
-                      f"calibration tokens and these {d['evaluated_tokens']}: {d['js_bits']:.3f} bits "
-                      f"(warned above {d['threshold']:.2f})."]
+        lines += ["", f"{head}; token distance between its {d['calibration_tokens']} calibration tokens and these "
+                      f"{d['evaluated_tokens']}: {d['excess_bits']:.3f} bits (unigram Jensen-Shannon {d['js_bits']:.3f}, "
+                      f"less {d['same_distribution_bits']:.3f} for samples of these sizes from one distribution; "
+                      f"warned above {d['threshold']:.2f})."]
     return lines
 
 
