@@ -17,9 +17,10 @@ each, against the fp32 base: per-token KL(base‖quant) over the full vocabulary
 and is quantized once.
 
 Builds: tokq's `rtn`, `gptq` (the default: MSE-searched group scales), `gptq-minmax` (min/max group
-scales, tokq's GPTQ before issue 20), `awq`; llm-compressor's `peer-gptq` and `peer-awq` (its default
-recipes at the model's int4 setting from quant_protocol.MODELS, run in the optional peer venv by
-peer_quant.run_peer on the same token ids, loaded back with tokq's reader).
+scales, tokq's GPTQ before issue 20), `gptq-no-actorder` (dynamic groups), `awq`; llm-compressor's
+`peer-gptq` and `peer-awq` (its default recipes at the model's int4 setting from quant_protocol.MODELS,
+run in the optional peer venv by peer_quant.run_peer on the same token ids, loaded back with tokq's
+reader).
 
 Statistics (all over the documents of the evaluation set: a document is the resampling unit):
 - each build's mean KL with a 95% document-clustered bootstrap interval;
@@ -84,6 +85,7 @@ BUILDS = {
     "rtn": ("tokq", "rtn", {}),
     "gptq": ("tokq", "gptq", {}),
     "gptq-minmax": ("tokq", "gptq", {"gptq_scale_search": "minmax"}),
+    "gptq-no-actorder": ("tokq", "gptq", {"act_order": False}),  # dynamic groups, MSE scales
     "awq": ("tokq", "awq", {}),
     "peer-gptq": ("llm-compressor", "gptq", {}),
     "peer-awq": ("llm-compressor", "awq", {}),
@@ -224,8 +226,9 @@ def markdown(record: dict) -> str:
              f"{record['settings']['eval_window']} tokens per set; mean KL(base‖quant) over the full vocabulary, "
              "95% intervals over documents. `-x%` is the KL reduction against RTN on the same tokens.",
              "",
-             "| calib -> eval | distance | RTN | tokq GPTQ | GPTQ min/max | llm-c GPTQ | tokq AWQ | llm-c AWQ | targets |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| calib -> eval | distance | RTN | tokq GPTQ | GPTQ min/max | GPTQ no act-order | llm-c GPTQ | tokq AWQ "
+             "| llm-c AWQ | targets |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(b: dict | None) -> str:
         if not b:
@@ -239,7 +242,7 @@ def markdown(record: dict) -> str:
         met = [f"{k}: {'met' if t['met'] else 'NOT MET'}" for k, t in row["targets"].items()]
         dist = row.get("token_distance")
         lines.append(f"| {pair} | {'-' if dist is None else f'{dist:.3f}'} | " + " | ".join(
-            cell(b.get(n)) for n in ("rtn", "gptq", "gptq-minmax", "peer-gptq", "awq", "peer-awq"))
+            cell(b.get(n)) for n in ("rtn", "gptq", "gptq-minmax", "gptq-no-actorder", "peer-gptq", "awq", "peer-awq"))
             + f" | {'; '.join(met)} |")
     lines += ["", "In-domain token distances (calibration against evaluation windows of its own domain, which may "
               "share documents): " + ", ".join(f"{c} {(record['distances'].get(c, {}).get(c) or {}).get('excess_bits', 0):.3f}"

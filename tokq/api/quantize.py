@@ -298,7 +298,7 @@ def check_kv_cache_settings(s: QuantizeSettings) -> None:
                           "with `tokq compare --b-kv-dtype fp8`")
 
 
-GPTQ_SCALES = ("mse", "minmax")  # --gptq-scales (gptq_solver also takes an experimental "mse-h")
+GPTQ_SCALES = ("mse", "minmax")  # --gptq-scales (gptq_solver.SCALE_SEARCHES)
 KV_ONLY = "none"  # --method none: the weights stay as they are; only the KV cache is quantized
 
 
