@@ -146,6 +146,7 @@ def test_quantize_records_sources_and_compare_warns_when_far(capsys, two_domains
                  "--calib", str(d["calib"]), "--num-samples", "6", "--seq-len", "64", "--threads", "1"])
     text = capsys.readouterr()
     assert code == 0, text.err
+    assert "(manual 192, notes 192)" in " ".join(text.err.split())
     record = json.loads((out / "tokq_quantization.json").read_text())
     calibration = record["result"]["calibration"]
     # 6 windows as a mix: 3 from each source, although `manual` holds three times the text of `notes`

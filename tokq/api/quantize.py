@@ -209,7 +209,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             dense_bytes = 2 * sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values())
             blocks = len(lm.model.layers)
         calib_desc = (f"{calibration.num_samples} x {calibration.seq_len} tokens from {calibration.source}"
-                      if calibration else "none")
+                      + _per_source(calibration) if calibration else "none")
         provenance = {"method": method, "source_model": model, "source_checkpoint": str(checkpoint),
                       "runtime": runtime.to_json()}
         if recipe_sha256 is not None:
@@ -310,6 +310,12 @@ def _check_kv_only(s: QuantizeSettings) -> None:
         if value is not None:
             raise ConfigError(f"{flag} quantizes weights; --method none keeps them 16-bit and quantizes only the KV "
                               f"cache: drop {flag} or choose a weight method (rtn, awq, gptq, ...)")
+
+
+def _per_source(calibration) -> str:
+    """' (a 2048, b 2048)': the tokens drawn from each source, when there is more than one."""
+    counts = calibration.to_json()["source_tokens"]
+    return " (" + ", ".join(f"{name} {n}" for name, n in counts.items()) + ")" if len(counts) > 1 else ""
 
 
 def _peak_rss_mib() -> float:
