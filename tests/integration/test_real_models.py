@@ -121,7 +121,7 @@ def test_awq_and_gptq_quantize_cli_on_smollm2_beat_rtn_and_hf_reads_it(tmp_path,
         doc_id, tokens, score_from = "textwrap", ids, 1
 
     kl = {m: divergence(base, load_model(outs[m]), [Window()]).summary()["kl_mean"] for m in outs}
-    print(f"SmolLM2 w4 g64 KL on held-out text: rtn {kl['rtn']:.4f} awq {kl['awq']:.4f}")
+    print(f"SmolLM2 w4 g64 KL on held-out text: rtn {kl['rtn']:.4f} awq {kl['awq']:.4f} gptq {kl['gptq']:.4f}")
     assert kl["awq"] < 0.85 * kl["rtn"]
     # GPTQ (MSE-searched group scales, act-order) keeps its gain on text it was not calibrated on
     assert kl["gptq"] < 0.75 * kl["rtn"], kl
