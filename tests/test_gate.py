@@ -390,3 +390,23 @@ def test_data_caps_in_tokq_toml_skip_a_long_document(project, tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.name == "tokq"]
     skip = "larger than 0.0078125 MiB (--max-doc-mb 0.0078125)"
     assert any("big.txt" in w and skip in w for w in warnings), warnings
+
+
+def test_a_variant_judged_far_from_its_calibration_is_warned_about(project, tmp_path, capsys):
+    """A GPTQ recipe calibrated on documents of other words than the gate's: the report and the console say so."""
+    folder = tmp_path / "far"
+    calib = folder / "calib"
+    calib.mkdir(parents=True)
+    rng = random.Random(3)
+    unused = WORDS[150:]  # the gate's documents draw from all WORDS; these few dominate nothing there
+    (calib / "other.txt").write_text(" ".join(rng.choice(unused) for _ in range(600)) + "\n")
+    path = _own_project(project, folder, f'method = "gptq", group_size = 32, num_samples = 4, seq_len = 64, '
+                                         f'calib = "{calib}"')
+    code, report = _gate_at(path, tmp_path / "report")
+    err = " ".join(capsys.readouterr().err.split())
+    distance = report["variants"]["rtn"]["compare"]["calibration_distance"]["b"]
+    assert distance["far"] and distance["excess_bits"] > distance["threshold"]
+    assert distance["source_tokens"] == {"other.txt": 4 * 64}
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "rtn: warning:" in markdown and "calibrated on documents far from these" in markdown
+    assert "calibrated on documents far from these" in err and code == 0  # a warning, not a verdict
