@@ -331,7 +331,8 @@ def main() -> None:
         calib = None
         if calib_domain is not None:
             calib = draw(calib_domain)
-            record["calibration"][calib_domain] = calib.to_json()
+            # the domain, not this machine's path to the default set
+            record["calibration"][calib_domain] = {**calib.to_json(), "source": f"default set: {calib_domain}"}
         started = time.perf_counter()
         print(f"[{key}] quantizing ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="tokq-shift-") as tmp:
