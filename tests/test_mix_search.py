@@ -288,7 +288,10 @@ def test_a_gptq_mix_is_chosen_from_gptqs_own_linears(capsys, tmp_path, tiny):
                                "--seq-len", "32", "--save-dtype", "bf16", "--mix", "w4a16,w8a16,bf16",
                                "--max-size-ratio", "0.5")
         assert code == 0, text
-        runs[method] = json.loads((out / "tokq_quantization.json").read_text())["mix"]["sensitivity"]
+        record = json.loads((out / "tokq_quantization.json").read_text())
+        runs[method] = record["mix"]["sensitivity"]
+        # what compare's calibration distance reads: GPTQ's 4 x 32 calibration tokens; RTN took none
+        assert record.get("calibration_tokens", {}).get("tokens") == (4 * 32 if method == "gptq" else None)
     assert runs["gptq"]["how"].startswith("gptq's own Linears")
     assert runs["rtn"]["how"].startswith("RTN fake-quantization")
     assert runs["gptq"]["all_quantized_kl"]["w4a16"] != pytest.approx(runs["rtn"]["all_quantized_kl"]["w4a16"],

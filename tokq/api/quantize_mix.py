@@ -209,6 +209,8 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
     if run_method in NEEDS_CALIBRATION:  # calibrated on the choice documents only: nothing tuned on held-out
         calibration = calibration_samples(data, tokenizer, add_bos, s.num_samples, s.seq_len, s.seed, limits,
                                           documents=DocumentSet(docs.root, choice))
+        # compare and the gate measure how far the documents they judge lie from these (as a uniform build)
+        provenance = {**provenance, "calibration_tokens": calibration.token_histogram().to_json()}
 
     item = written_itemsize(config, dtype)
     sizes = mix_sizes(lm, formats, item)
