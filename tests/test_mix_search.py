@@ -324,3 +324,32 @@ def test_target_kl_search_and_nothing_left_on_failure(capsys, tmp_path, tiny):
                            "--mix", "w4a16,bf16", "--max-size-ratio", "1.0")
     assert code == 2 and "every Linear at 16 bits" in text, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_sigterm_mid_quantize_leaves_nothing(tmp_path, tiny):
+    """What a CI cancel or `docker stop` does: SIGTERM during the --mix search unwinds like Ctrl-C (exit 130) and
+    leaves no --out, no scratch round and no lock file (the default action would kill the process mid-write)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    checkpoint, docs = tiny
+    work = tmp_path / "work"
+    work.mkdir()
+    # an unreachable target: three build/verify rounds after the sensitivities, seconds of work left to cancel
+    proc = subprocess.Popen([sys.executable, "-m", "tokq", "quantize", "--model", str(checkpoint), "--out",
+                             str(work / "out"), "--threads", "1", "--method", "rtn", "--calib", str(docs),
+                             "--save-dtype", "bf16", "--mix", "w4a16,w8a16", "--target-kl", "1e-12"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "sensitivity of" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    seen.append(proc.stdout.read())
+    assert proc.wait(timeout=60) == 130, "".join(seen)
+    assert "aborted" in "".join(seen)
+    assert list(work.iterdir()) == []

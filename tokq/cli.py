@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -90,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=Console(stderr=True), show_time=False, show_path=False)])
     outer_debug = _session.debug
+    # A CI cancel or `docker stop` sends SIGTERM: unwind like Ctrl-C (exit 130), so every command's cleanup runs
+    # (scratch folders, half-written outputs, the output lock) instead of the process dying mid-write.
+    # `tokq serve` installs its own graceful handler while it serves.
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signals can only be set there
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         # Without standalone mode typer turns Ctrl-C into a returned exit code (130) instead of raising.
         code = app(args=argv, prog_name="tokq", standalone_mode=False)
@@ -114,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         return _internal_error(exc, argv)
     finally:
         _session.debug = outer_debug
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm if previous_sigterm is not None else signal.SIG_DFL)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _internal_error(exc: Exception, argv: list[str] | None) -> int:
