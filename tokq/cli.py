@@ -41,7 +41,7 @@ from tokq.commands.report import report_cmd
 from tokq.commands.score import score_cmd
 from tokq.commands.sensitivity import sensitivity_cmd
 from tokq.commands.serve import serve_cmd
-from tokq.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TokqError
+from tokq.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TokqError, interrupt_on_signal
 from tokq.paths import tokq_home
 
 app = typer.Typer(
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     # (scratch folders, half-written outputs, the output lock) instead of the process dying mid-write.
     # `tokq serve` installs its own graceful handler while it serves.
     in_main_thread = threading.current_thread() is threading.main_thread()  # signals can only be set there
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    previous_sigterm = signal.signal(signal.SIGTERM, interrupt_on_signal) if in_main_thread else None
     try:
         # Without standalone mode typer turns Ctrl-C into a returned exit code (130) instead of raising.
         code = app(args=argv, prog_name="tokq", standalone_mode=False)
@@ -124,10 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm if previous_sigterm is not None else signal.SIG_DFL)
     return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _internal_error(exc: Exception, argv: list[str] | None) -> int:

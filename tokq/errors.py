@@ -40,3 +40,8 @@ class ZooError(TokqError):
 
 class ConfigError(TokqError):
     """A bad tokq.toml or command-line value."""
+
+
+def interrupt_on_signal(signum, frame) -> None:
+    """A signal handler (for SIGTERM) that unwinds like Ctrl-C: cleanup runs and the CLI exits 130."""
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -27,7 +27,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from tokq import __version__
-from tokq.errors import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_OK, ConfigError, TokqError
+from tokq.errors import (
+    EXIT_CHECK_FAILED,
+    EXIT_INCONCLUSIVE,
+    EXIT_OK,
+    ConfigError,
+    TokqError,
+    interrupt_on_signal,
+)
 
 console = Console(stderr=True)
 
@@ -95,7 +102,7 @@ def gate(config: str | Path | None = None, *, variants: list[str] | None = None,
     # From here on the run may take minutes: a CI cancel (SIGTERM) must unwind like Ctrl-C so no half-written
     # folder is left, and no other tokq process may write the report folder meanwhile.
     held = contextlib.ExitStack()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, interrupt_on_signal)
     try:
         held.enter_context(output_lock(out))
         # A stale report must not pass for this run's verdict: removed now, and only if tokq wrote it.
@@ -182,10 +189,6 @@ def _context(config: Path, base: Path) -> dict:
         except (OSError, ValueError):
             source = None
     return {"commit": commit, "base_source": source}
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def base_checkpoint(project) -> Path:
