@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
 # threads make reductions repeatable.
 torch.set_num_threads(int(os.environ.get("TOKQ_TEST_THREADS", "1")))
 
+# Compiling the decode step (engine/compiled_decode.py) costs seconds per model and batch shape: the suite runs
+# eagerly, except tests/test_compiled_decode.py, which checks the compiled path against the eager one.
+os.environ.setdefault("TOKQ_COMPILE", "0")
+
 
 @pytest.fixture(autouse=True)
 def _isolated_tokq_home(tmp_path_factory, monkeypatch, request):

@@ -92,6 +92,8 @@ class EngineConfig:
     attention_kernels: str | None = None  # a TOKQ_KERNELS-style selection for attention (None: the env's)
     # int8/fp8 caches: "auto" divides by the checkpoint's calibrated scales when it has them; "unit" by 1 (fp8)
     kv_scales: str = "auto"
+    # pure decode steps through the model's compiled graph (engine/compiled_decode.py); None: $TOKQ_COMPILE (on)
+    compile_decode: bool | None = None
 
 
 @dataclass
@@ -174,7 +176,7 @@ class LLMEngine:
                                                    cfg.chunked_prefill, cfg.max_prefill_tokens_with_decode),
                                    self.blocks)
         self.runner = ModelRunner(model, self.kv_spec, self.caches, cfg.attention_kernels, self.kv_plan.scales,
-                                  self.layer_groups)
+                                  self.layer_groups, cfg.compile_decode)
         eos = mc.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokq.engine.attention import AttentionSpec
+from tokq.engine.compiled_decode import MAX_COMPILED_BATCH, compile_enabled, run_compiled
 from tokq.engine.kv_cache import KVCacheSpec, LayerGroup
 from tokq.engine.models import CausalLM
 from tokq.engine.scheduler import ScheduledStep
@@ -69,8 +70,9 @@ class ModelRunner:
     def __init__(self, model: CausalLM, spec: KVCacheSpec, caches: list[tuple[torch.Tensor, torch.Tensor]],
                  attention_kernels: str | None = None,
                  kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 groups: list[LayerGroup] | None = None):
-        """`kv_scales`: per layer (k_scale, v_scale) fp32 [kv_heads], required by an int8/fp8 cache
+                 groups: list[LayerGroup] | None = None, compile_decode: bool | None = None):
+        """`compile_decode`: run pure decode steps through the model's compiled graph (engine/compiled_decode.py;
+        None: $TOKQ_COMPILE, default on). `kv_scales`: per layer (k_scale, v_scale) fp32 [kv_heads], required by an int8/fp8 cache
         (engine/kv_scales.plan_kv_cache makes them). `groups`: the layer groups, in pool order (a sequence's
         block_tables[i] is group i's); None: one pool for every layer."""
         self.model, self.spec = model, spec
@@ -83,6 +85,7 @@ class ModelRunner:
         if -1 in group_of:
             raise ValueError(f"layer {group_of.index(-1)} is in no KV pool's group")
         self.device = model.device
+        self.compile_decode = compile_enabled(compile_decode)
         self.kernels = [prepare_attention_kernel(
             AttentionProblem(self.device.type, model.dtype, spec.dtype, config.num_heads, config.num_kv_heads,
                              config.head_dim, spec.block_size, config.layer_window(layer)), attention_kernels)
@@ -148,7 +151,12 @@ class ModelRunner:
         inputs = self.prepare(step)
         self.backend.step = inputs
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, backend=self.backend)
+            hidden = None
+            decode = all(n == 1 for n in step.num_tokens) and len(step.num_tokens) <= MAX_COMPILED_BATCH
+            if self.compile_decode and decode:
+                hidden = run_compiled(self.model, self.backend, inputs.input_ids, inputs.positions)
+            if hidden is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, backend=self.backend)
         finally:
             self.backend.step = None
         return hidden[0], inputs
