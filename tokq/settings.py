@@ -44,6 +44,10 @@ class QuantizeSettings:
     # calibration windows and writes them (kv_cache_scheme); "attn_head" (one per KV head) or "tensor" (one per layer)
     kv_cache: str | None = None
     kv_cache_strategy: str = "attn_head"
+    # the output layer: "16bit" (as the source has it; what vLLM loads) or "int8" (per output row, untied from the
+    # embedding: quantization/lm_head.py; decodes faster, HF transformers loads it, vLLM's compressed-tensors
+    # path quantizes Linear layers only)
+    lm_head: str = "16bit"
 
 
 @dataclass

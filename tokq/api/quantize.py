@@ -123,6 +123,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
     from tokq.paths import data_dir
     from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.formats.compressed_tensors import save_quantized
+    from tokq.quantization.lm_head import quantize_lm_head_
     from tokq.quantization.pipeline import (
         METHODS,
         NEEDS_CALIBRATION,
@@ -146,6 +147,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         raise ConfigError(f"--gptq-scales {s.gptq_scales!r}: choose {' or '.join(GPTQ_SCALES)}")
     check_mix_settings(s, chosen=layer_assignment is not None)  # before parse_alpha: --alpha with --mix is refused as a mix error
     check_kv_cache_settings(s)
+    check_lm_head_settings(s, kv_only)
     alpha_given, alpha_value = parse_alpha(s.alpha, method)
     limits = read_limits(s.max_doc_mb, s.max_file_mb)
     if recipe_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", recipe_sha256):
@@ -199,7 +201,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         options = method_options(s)
         if alpha_given:
             options.alpha = alpha_value
-        streamed = not in_memory and not searched and streamed_blocker(
+        streamed = not in_memory and not searched and s.lm_head == "16bit" and streamed_blocker(
             run_method, s.kv_cache, read_quantization_config(checkpoint, config.raw) is not None) is None
         # Methods search and quantize in fp32 (bf16 matmuls on CPU are slow and less exact).
         if streamed:
@@ -254,6 +256,9 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                     weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
                     run = quantize_model(lm, run_method, resolved, weight_calibration, options,
                                          on_block=lambda _i: progress.advance(task))
+                if quantize_lm_head_(lm, s.lm_head):  # after the blocks: their calibration reads the 16-bit head never
+                    provenance["lm_head"] = {"format": s.lm_head, "method": "rtn", "scheme": "w8a16 per channel",
+                                             "untied": True}
             kv = None
             if s.kv_cache:
                 kv = (s.kv_cache, _calibrate_kv(lm, calibration, s))
@@ -283,6 +288,18 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             # path only: a variant takes path and recipe; method, scheme and source are in tokq_quantization.json
             result.variant, result.recorded_in = name, record_variant(name, out, {})
         return result
+
+
+def check_lm_head_settings(s: QuantizeSettings, kv_only: bool) -> None:
+    """--lm-head: a format tokq writes, and a build it applies to (not a mix search, not a KV-only build)."""
+    from tokq.quantization.lm_head import check_lm_head_format
+
+    check_lm_head_format(s.lm_head)
+    if s.lm_head != "16bit" and s.mix is not None:
+        raise ConfigError("--lm-head int8 with --mix is not supported yet: the mix search measures and sizes decoder "
+                          "Linears only; build the mix with --lm-head 16bit")
+    if s.lm_head != "16bit" and kv_only:
+        raise ConfigError("--method none keeps every weight 16-bit; --lm-head int8 needs a weight method (e.g. rtn)")
 
 
 def check_kv_cache_settings(s: QuantizeSettings) -> None:

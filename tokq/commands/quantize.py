@@ -91,6 +91,11 @@ def quantize_cmd(
         help="--kv-cache scales: attn_head (one per KV head) or tensor (one per layer, for readers without "
         "per-head KV scales).",
     ),
+    lm_head: str = typer.Option(
+        "16bit", "--lm-head",
+        help="The output layer: 16bit (as the source has it) or int8 (one scale per vocabulary row, untied from the "
+        "embedding): faster decoding; HF transformers loads it, vLLM keeps output layers 16-bit.",
+    ),
     in_memory: bool = typer.Option(
         False, "--in-memory",
         help="Load the whole model in fp32 first instead of streaming one decoder block at a time (the same "
@@ -110,7 +115,7 @@ def quantize_cmd(
                                 seq_len=seq_len, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb,
                                 save_dtype=save_dtype, seed=seed, mix=mix, target_kl=target_kl,
                                 max_size_ratio=max_size_ratio, kv_cache=kv_cache,
-                                kv_cache_strategy=kv_cache_strategy)
+                                kv_cache_strategy=kv_cache_strategy, lm_head=lm_head)
     result = run_quantize(model, out, settings, force=force, name=name, recipe_sha256=recipe_sha256,
                           threads=threads, device=device, in_memory=in_memory)
     _print_summary(result)

@@ -21,6 +21,7 @@ from tokq.errors import ConfigError
 from tokq.quantization.rounding import check_finite, quantize_rtn
 from tokq.quantization.scheme import preset
 
+LM_HEAD = "lm_head"  # the module's (and the checkpoint tensors') name
 LM_HEAD_FORMATS = ("16bit", "int8")
 LM_HEAD_SCHEME = preset("w8a16")  # int8, symmetric, one scale per output row
 

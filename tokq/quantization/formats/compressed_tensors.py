@@ -49,6 +49,7 @@ from tokq.kernels.reference import FP8Weight, IntWeight, QuantizedWeight
 from tokq.outputs import CHECKPOINT, TOKENIZER_FILES
 from tokq.paths import atomic_directory
 from tokq.quantization.layer_schemes import LayerSchemes, candidate_linears
+from tokq.quantization.lm_head import LM_HEAD, LM_HEAD_SCHEME
 from tokq.quantization.scheme import CHANNEL, QuantScheme
 
 log = logging.getLogger("tokq")
@@ -119,9 +120,22 @@ def _config_group(scheme: QuantScheme, targets: list[str]) -> dict:
 
 
 def quantization_config(scheme: QuantScheme | LayerSchemes, ignore: list[str],
-                        targets: dict[str, list[str]] | None = None) -> dict:
+                        targets: dict[str, list[str]] | None = None, head_quantized: bool = False) -> dict:
     """config.json's `quantization_config`: one config group targeting every Linear for a scheme; for a mix, one
-    group per scheme used, with its own format, targeting the projections `targets` lists under its key."""
+    group per scheme used, with its own format, targeting the projections `targets` lists under its key.
+
+    `head_quantized`: the LM head is int8 (quantization/lm_head.py): a group of its own targets it by name, first
+    (compressed-tensors and tokq both let a name match win over the `Linear` class match), each group says its
+    format, and the top-level format is the shared one or `mixed-precision`."""
+    if head_quantized:
+        rest = quantization_config(scheme, ignore, targets)
+        groups = {"group_0": {**_config_group(LM_HEAD_SCHEME, [LM_HEAD]),
+                              "format": compression_format(LM_HEAD_SCHEME)}}
+        for i, group in enumerate(rest["config_groups"].values(), start=1):
+            groups[f"group_{i}"] = {**group, "format": group.get("format") or rest["format"]}
+        formats = {g["format"] for g in groups.values()}
+        return {**rest, "config_groups": groups,
+                "format": formats.pop() if len(formats) == 1 else "mixed-precision"}
     if isinstance(scheme, LayerSchemes):
         used = scheme.used()
         groups = {}
@@ -220,7 +234,7 @@ def module_tensors(module_name: str, module: torch.nn.Module, scheme: QuantSchem
     prefix = f"{parent}." if parent else ""
     method = module.method
     quantized = isinstance(method, QuantizedLinearMethod)
-    own = _layer_scheme(scheme, module_name, quantized)
+    own = LM_HEAD_SCHEME if module_name == LM_HEAD and quantized else _layer_scheme(scheme, module_name, quantized)
     if quantized and hasattr(method, "input_perm"):
         raise TokqError(f"{module_name} holds activation-ordered GPTQ weights (input permutation); compressed-tensors "
                         "has no layout for them: quantize the 16-bit model with tokq instead")
@@ -232,7 +246,7 @@ def module_tensors(module_name: str, module: torch.nn.Module, scheme: QuantSchem
         if quantized:
             weight = method.weight
             _check_matches(name, weight, method.act, own)
-            if targets is not None and isinstance(scheme, LayerSchemes):
+            if targets is not None and isinstance(scheme, LayerSchemes) and module_name != LM_HEAD:
                 targets.setdefault(scheme.assignment[module_name], []).append(name)
             if isinstance(weight, FP8Weight):
                 part = FP8Weight(weight.q[rows].cpu(), weight.scale[rows].cpu())
@@ -344,11 +358,12 @@ def set_quantization_config(raw: dict, scheme: QuantScheme | LayerSchemes | None
                             dense_linears: list[str], targets: dict[str, list[str]],
                             kv_cache: tuple[str, KVScales] | None) -> None:
     """config.json (`raw`, edited in place): the checkpoint dtype and the quantization_config."""
-    ignore = ["lm_head"] + [n for n in dense_linears if n != "lm_head"]
+    head_quantized = scheme is not None and LM_HEAD not in dense_linears
+    ignore = ([] if head_quantized else [LM_HEAD]) + [n for n in dense_linears if n != LM_HEAD]
     raw.pop("quantization_config", None)
     raw["dtype" if "torch_dtype" not in raw else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
-    raw["quantization_config"] = quantization_config(scheme, ignore, targets) if scheme is not None else \
-        kv_only_quantization_config()
+    raw["quantization_config"] = quantization_config(scheme, ignore, targets, head_quantized) \
+        if scheme is not None else kv_only_quantization_config()
     if kv_cache is not None:
         kv_name, kv_scales = kv_cache
         raw["quantization_config"]["kv_cache_scheme"] = kv_cache_scheme(kv_name, kv_scales.strategy)

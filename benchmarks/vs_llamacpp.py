@@ -1,0 +1,364 @@
+"""tokq against llama.cpp, batch-1 decode on this CPU, one run, interleaved: the side-by-side users would make.
+
+    python benchmarks/vs_llamacpp.py [--llama-python /work/peer-llama/bin/python] [--threads 1,2] [--repeats 3]
+                                     [--prompt 512] [--new 128] [--model smollm2-135m] [--quick] [--out PATH]
+
+The peer is llama-cpp-python in its own venv outside the repository (`bash benchmarks/peer_llama_venv.sh`
+builds it with flags that run on both CPUs this project meets); it is never a dependency of tokq. Both sides
+decode the same real text (the first `--prompt` tokens of docs/architecture.md, tokenized by tokq), greedy,
+`--new` tokens, at each thread count, each configuration once per repeat in turn (so drift on the shared
+machine hits all alike). Decode tok/s is (new - 1) / (time of the decode steps): prefill is excluded on both
+sides.
+
+Sides:
+- llama.cpp: the GGUF the zoo base was converted from (SmolLM2: Q4_1) and an F16 GGUF requantized from it by
+  llama.cpp itself (`llama_model_quantize`, F16: the same weights as tokq's 16-bit base, which is that GGUF
+  dequantized).
+- tokq, "before": the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python; the
+  16-bit tied LM head); "after": pure decode steps compiled, and for int4 the int8 LM head
+  (quantization/lm_head.py). int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an
+  AWQ or GPTQ g64 build (their rounding differs, their speed does not).
+
+Also recorded: the copy bandwidth measured in the same run, each side's bytes read per token (weights at
+stored size plus the KV cache at the mean context) and the fraction of the copy bandwidth that is, the load
+average before and after, the CPU model and flags, versions; and the KL cost of the int8 LM head
+(full-vocabulary KL against the 16-bit base on held-out windows of the default document set, teacher forced,
+with a 95% interval over windows).
+
+Writes benchmarks/results/vs-llamacpp-<model>-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+PROMPT_SOURCE = REPO / "docs" / "architecture.md"
+
+# Run inside the peer venv: one configuration, one JSON line on stdout.
+LLAMA_RUNNER = r'''
+import json, sys, time
+import numpy as np
+import llama_cpp
+from llama_cpp import Llama
+args = json.loads(sys.argv[1])
+llm = Llama(model_path=args["gguf"], n_ctx=args["n_ctx"], n_threads=args["threads"], n_threads_batch=args["threads"],
+            n_batch=args["n_ctx"], verbose=False, logits_all=False)  # scores keeps n_batch rows
+prompt = args["prompt"]
+out = []
+t0 = time.perf_counter()
+llm.eval(prompt)
+t1 = time.perf_counter()
+tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+out.append(tok)
+times = []
+for _ in range(args["new"] - 1):
+    s = time.perf_counter()
+    llm.eval([tok])
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    times.append(time.perf_counter() - s)
+    out.append(tok)
+print(json.dumps({"prefill_s": t1 - t0, "decode_s": sum(times), "steps": len(times), "tokens": out,
+                  "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}))
+'''
+
+LLAMA_QUANTIZE = r'''
+import sys, llama_cpp
+src, dst, ftype = sys.argv[1], sys.argv[2], int(sys.argv[3])
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = ftype
+params.allow_requantize = True
+rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+sys.exit(rc)
+'''
+LLAMA_FTYPE = {"F16": 1, "Q8_0": 7}
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def cpu_facts() -> dict:
+    model, flags = platform.processor(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", "x86_64"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                break
+    except OSError:
+        pass
+    isa = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+    kind = "avx512+amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    return {"model": model, "isa_flags": sorted(isa), "kind": kind, "cores": os.cpu_count()}
+
+
+# tokq side -----------------------------------------------------------------------------------------------
+
+def tokq_models(model_name: str, quick: bool):
+    from tokq.engine.checkpoint import load_model
+    from tokq.quantization.lm_head import quantize_lm_head_
+    from tokq.quantization.pipeline import quantize_model
+    from tokq.quantization.scheme import preset
+    from tokq.zoo import resolve_model
+
+    path = resolve_model(model_name)
+    base = load_model(path, dtype=torch.bfloat16)
+    int4 = load_model(path, dtype=torch.bfloat16)
+    quantize_model(int4, "rtn", preset("w4a16").with_weights(group_size=64))
+    int4_head = load_model(path, dtype=torch.bfloat16)
+    quantize_model(int4_head, "rtn", preset("w4a16").with_weights(group_size=64))
+    quantize_lm_head_(int4_head, "int8")
+    return path, {"bf16": base, "int4": int4, "int4+int8head": int4_head}
+
+
+def kv_bytes_per_token_read(model, context: float) -> float:
+    cfg = model.config
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+    return per_token * context * cfg.num_layers
+
+
+def tokq_decode(model, prompt: list[int], new: int, threads: int, compiled: bool) -> dict:
+    from tokq.engine import compiled_decode
+    from tokq.engine.llm_engine import EngineConfig, LLMEngine
+    from tokq.engine.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine(model, EngineConfig(max_model_len=len(prompt) + new, max_num_seqs=1,
+                                           compile_decode=compiled))
+    before = compiled_decode.compiled_steps
+    out = engine.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True))[0]
+    if compiled and compiled_decode.compiled_steps - before < new - 1:
+        raise RuntimeError("the compiled decode path did not run (see the log)")
+    return {"tok_s": 1.0 / out.metrics.tpot_s, "tokens": out.token_ids}
+
+
+def warm_compiled(models: dict, prompt: list[int], threads: list[int]) -> dict:
+    """Compile each model's decode graph once before timing (the first call compiles; later engines reuse it)."""
+    seconds = {}
+    for name, model in models.items():
+        for t in threads:
+            started = time.perf_counter()
+            tokq_decode(model, prompt[:64], 4, t, True)
+            seconds[f"{name}@{t}"] = round(time.perf_counter() - started, 1)
+    return seconds
+
+
+# llama.cpp side ------------------------------------------------------------------------------------------
+
+def llama_decode(python: str, gguf: Path, prompt: list[int], new: int, threads: int) -> dict:
+    args = {"gguf": str(gguf), "prompt": prompt, "new": new, "threads": threads, "n_ctx": len(prompt) + new + 8}
+    proc = subprocess.run([python, "-c", LLAMA_RUNNER, json.dumps(args)], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp run failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["tok_s"] = result["steps"] / result["decode_s"]
+    return result
+
+
+def llama_ggufs(python: str, source: Path, scratch: Path) -> dict[str, Path]:
+    out = {"Q4_1" if "Q4_1" in source.name else "source": source}
+    for name, ftype in (("F16", LLAMA_FTYPE["F16"]),):
+        dst = scratch / f"{source.stem}.{name}.gguf"
+        proc = subprocess.run([python, "-c", LLAMA_QUANTIZE, str(source), str(dst), str(ftype)],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 or not dst.is_file():
+            raise RuntimeError(f"llama_model_quantize to {name} failed: {proc.stderr.strip()[-500:]}")
+        out[name] = dst
+    return out
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """Bytes of weights llama.cpp reads per decode token: every tensor at its stored size, the token embedding
+    as one row unless it doubles as the output layer (no output.weight)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    total = sum(sizes.values())
+    if "output.weight" in sizes and "token_embd.weight" in sizes:
+        rows = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+        total -= sizes["token_embd.weight"] - sizes["token_embd.weight"] // rows
+    return total
+
+
+# quality of the int8 head --------------------------------------------------------------------------------
+
+def head_kl(base, variants: dict, windows: list[list[int]]) -> dict:
+    """Mean full-vocabulary KL(base || variant) per token, per window; mean over windows with a t interval."""
+    from scipy import stats
+
+    out = {}
+    with torch.inference_mode():
+        ref = [torch.log_softmax(base.logits(torch.tensor([w]))[0].float(), -1) for w in windows]
+        for name, model in variants.items():
+            per_window = []
+            for w, lp in zip(windows, ref, strict=True):
+                lq = torch.log_softmax(model.logits(torch.tensor([w]))[0].float(), -1)
+                per_window.append(float((lp.exp() * (lp - lq)).sum(-1).mean()))
+            mean = statistics.mean(per_window)
+            half = (stats.t.ppf(0.975, len(per_window) - 1) * statistics.stdev(per_window) / len(per_window) ** 0.5
+                    if len(per_window) > 1 else float("nan"))
+            out[name] = {"kl_mean": mean, "ci95": [mean - half, mean + half], "windows": len(per_window),
+                         "tokens_per_window": len(windows[0])}
+    return out
+
+
+def held_out_windows(tokenizer, count: int, length: int) -> tuple[list[list[int]], str]:
+    from tokq.paths import tokq_home
+
+    docs = tokq_home() / "docs"
+    files = sorted(p for p in docs.rglob("*") if p.is_file() and p.suffix in (".txt", ".md", ".rst")) if docs.is_dir() else []
+    source = str(docs) if files else str(REPO / "docs")
+    if not files:
+        files = sorted((REPO / "docs").glob("*.md"))
+    windows = []
+    for f in files:
+        ids = tokenizer.encode(f.read_text(encoding="utf-8", errors="replace"))
+        for start in range(0, len(ids) - length + 1, length):
+            windows.append(ids[start: start + length])
+            if len(windows) == count:
+                return windows, source
+    return windows, source
+
+
+# the run -------------------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-python", default=os.environ.get("TOKQ_PEER_LLAMA_VENV", "/work/peer-llama") + "/bin/python")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--kl-windows", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens, 4 KL windows: a smoke run")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.new, args.kl_windows = 1, 32, 4
+    threads = [int(t) for t in args.threads.split(",")]
+    if not Path(args.llama_python).is_file():
+        sys.exit(f"no peer venv at {args.llama_python}: run `bash benchmarks/peer_llama_venv.sh` first")
+
+    from tokq import __version__
+    from tokq.engine.roofline import copy_bandwidth, weight_bytes_per_step
+    from tokq.engine.tokenizer import load_tokenizer
+    from tokq.zoo import ZOO, locate_gguf
+
+    load_before = os.getloadavg()
+    path, models = tokq_models(args.model, args.quick)
+    tokenizer = load_tokenizer(path)
+    prompt = tokenizer.encode(PROMPT_SOURCE.read_text(encoding="utf-8"))[: args.prompt]
+    scratch = Path(tempfile.mkdtemp(prefix="tokq-vs-llama-"))
+    ggufs = llama_ggufs(args.llama_python, locate_gguf(ZOO[args.model], scratch), scratch)
+
+    compile_seconds = warm_compiled(models, prompt, threads)
+    configs = ([("tokq", name, compiled) for name in models for compiled in (False, True)
+                if not (name == "int4+int8head" and not compiled)]
+               + [("llama.cpp", name, None) for name in ggufs])
+    runs: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    system_info = None
+    for repeat in range(args.repeats):
+        for t in threads:
+            for side, name, compiled in configs:
+                key = (f"tokq {name} {'compiled' if compiled else 'eager'}" if side == "tokq" else f"llama.cpp {name}")
+                key = f"{key} @{t}t"
+                if side == "tokq":
+                    r = tokq_decode(models[name], prompt, args.new, t, compiled)
+                else:
+                    r = llama_decode(args.llama_python, ggufs[name], prompt, args.new, t)
+                    system_info = r.get("system_info", system_info)
+                runs.setdefault(key, []).append(r["tok_s"])
+                tokens.setdefault(key, r["tokens"])
+                print(f"[{repeat + 1}/{args.repeats}] {key}: {r['tok_s']:.1f} tok/s", flush=True)
+    bandwidth = copy_bandwidth()
+    context = len(prompt) + args.new / 2
+    weights = {name: weight_bytes_per_step(m) + m.config.hidden_size * 2 for name, m in models.items()}
+    tokq_bytes = {name: w + kv_bytes_per_token_read(models[name], context) for name, w in weights.items()}
+    llama_bytes = {name: gguf_bytes_per_token(p) + kv_bytes_per_token_read(models["bf16"], context)
+                   for name, p in ggufs.items()}
+    table = {}
+    for key, values in runs.items():
+        name = key.split()[1]
+        nbytes = tokq_bytes[name] if key.startswith("tokq") else llama_bytes[name]
+        med = statistics.median(values)
+        table[key] = {**summary(values), "bytes_per_token": nbytes,
+                      "roofline_fraction": med * nbytes / (bandwidth["gbps_median"] * 1e9)}
+    ratios = {}
+    int4_peer = "Q4_1" if "Q4_1" in ggufs else "source"
+    for t in threads:
+        for mine, peer in ((f"tokq int4 eager @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4 compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq bf16 eager @{t}t", f"llama.cpp F16 @{t}t"),
+                           (f"tokq bf16 compiled @{t}t", f"llama.cpp F16 @{t}t")):
+            pairs = [a / b for a, b in zip(runs[mine], runs[peer], strict=True)]
+            ratios[f"{mine} / {peer}"] = summary(pairs)
+        scale = [a / b for a, b in zip(runs[f"tokq int4+int8head compiled @{t}t"], runs[f"tokq int4 eager @{t}t"],
+                                       strict=True)]
+        ratios[f"after / before (int4) @{t}t"] = summary(scale)
+    if len(threads) > 1:
+        lo, hi = min(threads), max(threads)
+        for key in {k.rsplit(" @", 1)[0] for k in runs}:
+            a, b = runs.get(f"{key} @{hi}t"), runs.get(f"{key} @{lo}t")
+            if a and b:
+                ratios[f"thread scaling {key} ({hi}t / {lo}t)"] = summary([x / y for x, y in zip(a, b, strict=True)])
+
+    windows, window_source = held_out_windows(tokenizer, args.kl_windows, 512)
+    kl = head_kl(models["bf16"], {"int4 (bf16 head)": models["int4"], "int4 + int8 head": models["int4+int8head"]},
+                 windows)
+    from tokq.engine.checkpoint import load_model
+    from tokq.quantization.lm_head import quantize_lm_head_
+
+    base_head = load_model(path, dtype=torch.bfloat16)
+    quantize_lm_head_(base_head, "int8")
+    kl.update(head_kl(models["bf16"], {"bf16 + int8 head alone": base_head}, windows))
+    kl["windows_from"] = window_source
+
+    def agree(a: str, b: str) -> int:
+        x, y = tokens[a], tokens[b]
+        return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+
+    t0 = threads[0]
+    result = {
+        "benchmark": "vs_llamacpp", "model": args.model, "tokq_version": __version__, "torch": torch.__version__,
+        "python": platform.python_version(), "cpu": cpu_facts(), "llama_cpp_system_info": system_info,
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "prompt_tokens": len(prompt), "new_tokens": args.new, "repeats": args.repeats, "threads": threads,
+        "copy_bandwidth": bandwidth, "compile_seconds_first_call": compile_seconds,
+        "decode_tok_s": table, "ratios": ratios, "lm_head_kl": kl,
+        "greedy_tokens_equal_prefix": {
+            "int4 compiled vs eager": agree(f"tokq int4 compiled @{t0}t", f"tokq int4 eager @{t0}t"),
+            "bf16 compiled vs eager": agree(f"tokq bf16 compiled @{t0}t", f"tokq bf16 eager @{t0}t"),
+            "of": args.new},
+        "ggufs": {k: v.name for k, v in ggufs.items()},
+        "notes": "int4 = RTN w4a16 g64 in memory (same kernel and bytes as AWQ/GPTQ g64). Decode tok/s excludes "
+                 "prefill. bytes_per_token = weights at stored size + the KV cache at the mean context; "
+                 "roofline_fraction = tok/s x bytes_per_token / copy bandwidth (read+write counted) of the same run.",
+    }
+    out = args.out or RESULTS / f"vs-llamacpp-{args.model}-cpu{'-quick' if args.quick else ''}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps({"ratios": {k: round(v["median"], 3) for k, v in ratios.items()},
+                      "lm_head_kl": kl}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
