@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# OPTIONAL: make the venv holding llama.cpp's OpenAI-compatible server (llama-cpp-python[server]) that
-# benchmarks/peer_server.py benchmarks tokq serve against. A separate venv outside the repo, never a
-# dependency of tokq; tokq's own install and tests do not need it.
+# OPTIONAL: make the venv holding llama.cpp (llama-cpp-python[server]) that benchmarks/vs_llamacpp.py and
+# benchmarks/peer_server.py measure tokq against. A separate venv outside the repo, never a dependency of tokq;
+# tokq's own install and tests do not need it.
 #
 # Usage: bash benchmarks/peer_llama_venv.sh [DIR]   (default DIR: /work/peer-llama, or $TOKQ_PEER_LLAMA_VENV)
-# Then:  .venv/bin/python benchmarks/peer_server.py --llama-python DIR/bin/python
+# Then:  .venv/bin/python benchmarks/vs_llamacpp.py --llama-python DIR/bin/python
 #
-# pip builds llama.cpp from source (cmake + a C++ compiler): 10-30 minutes on two cores. GGML_NATIVE
-# compiles for this CPU's instruction set, as a peer measured on this machine should be.
+# pip builds llama.cpp from source (cmake + a C++ compiler): ~8 minutes on two cores (2-core Xeon, 2026-12). The
+# default flags build AVX2 + FMA + F16C code without AVX-512 or AMX: the one build that runs on both CPUs this
+# project meets (an AVX2-only AMD EPYC and an AVX-512/AMX Xeon, where llama.cpp 0.3.36's native build segfaults
+# in decode). CMAKE_ARGS overrides them (e.g. -DGGML_NATIVE=ON on a CPU where the native build works); --no-cache-dir
+# keeps pip from reusing a wheel built with other flags.
 set -euo pipefail
 DIR="${1:-${TOKQ_PEER_LLAMA_VENV:-/work/peer-llama}}"
 PY="${PYTHON:-python3}"
@@ -17,8 +20,10 @@ if [ ! -x "$DIR/bin/python" ]; then
 fi
 VPY="$DIR/bin/python"
 $VPY -m pip install --quiet --upgrade pip
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" MAKEFLAGS="${MAKEFLAGS:--j2}" \
-  $VPY -m pip install "llama-cpp-python[server]==${VERSION}"
+PORTABLE="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+PORTABLE="$PORTABLE -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+CMAKE_ARGS="${CMAKE_ARGS:-$PORTABLE}" MAKEFLAGS="${MAKEFLAGS:--j2}" \
+  $VPY -m pip install --no-cache-dir "llama-cpp-python[server]==${VERSION}"
 $VPY - <<'PYEOF'
 from importlib.metadata import version
 print("peer llama venv ready:", ", ".join(f"{p} {version(p)}" for p in

@@ -219,9 +219,9 @@ def head_kl(base, variants: dict, windows: list[list[int]]) -> dict:
 
 
 def held_out_windows(tokenizer, count: int, length: int) -> tuple[list[list[int]], str]:
-    from tokq.paths import tokq_home
+    from tokq.paths import data_dir
 
-    docs = tokq_home() / "docs"
+    docs = data_dir() / "default"  # the default long-document set, when `tokq data build-default` has run
     files = sorted(p for p in docs.rglob("*") if p.is_file() and p.suffix in (".txt", ".md", ".rst")) if docs.is_dir() else []
     source = str(docs) if files else str(REPO / "docs")
     if not files:
@@ -334,7 +334,7 @@ def main() -> None:
 
     def agree(a: str, b: str) -> int:
         x, y = tokens[a], tokens[b]
-        return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
 
     t0 = threads[0]
     result = {

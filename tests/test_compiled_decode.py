@@ -80,3 +80,20 @@ def test_compiler_failure_falls_back_to_eager(model, monkeypatch, caplog):
     assert "decodes eagerly" in caplog.text
     assert getattr(target, "_tokq_compile_failed", False)
     object.__delattr__(target, "_tokq_compile_failed")  # the module-scoped model compiles again elsewhere
+
+
+def test_model_changed_after_compiling_gets_a_new_graph(tmp_path):
+    """Dynamo's per-call guards on the model are skipped; the engine's fingerprint check must catch a model
+    quantized in place after its graph was compiled (a stale graph would decode with the 16-bit weights)."""
+    from tokq.quantization.pipeline import quantize_model
+    from tokq.quantization.scheme import preset
+
+    make_hf_checkpoint("llama", tmp_path / "llama")
+    fresh = load_model(tmp_path / "llama")
+    batch = prompts([9, 14], seed=7)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine(fresh, True).generate(batch, params)  # compiles the 16-bit graph
+    quantize_model(fresh, "rtn", preset("w4a16").with_weights(group_size=32, bits=2))  # coarse: outputs change
+    expected = [o.token_ids for o in engine(fresh, False).generate(batch, params)]
+    got = [o.token_ids for o in engine(fresh, True).generate(batch, params)]
+    assert got == expected

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokq.engine.attention import AttentionSpec
-from tokq.engine.compiled_decode import MAX_COMPILED_BATCH, compile_enabled, run_compiled
+from tokq.engine.compiled_decode import MAX_COMPILED_BATCH, compile_enabled, model_fingerprint, run_compiled
 from tokq.engine.kv_cache import KVCacheSpec, LayerGroup
 from tokq.engine.models import CausalLM
 from tokq.engine.scheduler import ScheduledStep
@@ -86,6 +86,7 @@ class ModelRunner:
             raise ValueError(f"layer {group_of.index(-1)} is in no KV pool's group")
         self.device = model.device
         self.compile_decode = compile_enabled(compile_decode)
+        self.fingerprint = model_fingerprint(model) if self.compile_decode else None
         self.kernels = [prepare_attention_kernel(
             AttentionProblem(self.device.type, model.dtype, spec.dtype, config.num_heads, config.num_kv_heads,
                              config.head_dim, spec.block_size, config.layer_window(layer)), attention_kernels)
@@ -154,7 +155,8 @@ class ModelRunner:
             hidden = None
             decode = all(n == 1 for n in step.num_tokens) and len(step.num_tokens) <= MAX_COMPILED_BATCH
             if self.compile_decode and decode:
-                hidden = run_compiled(self.model, self.backend, inputs.input_ids, inputs.positions)
+                hidden = run_compiled(self.model, self.backend, inputs.input_ids, inputs.positions,
+                                      self.fingerprint)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, backend=self.backend)
         finally:
