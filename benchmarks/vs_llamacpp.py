@@ -16,8 +16,11 @@ Sides:
   dequantized).
 - tokq, "before": the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python; the
   16-bit tied LM head); "after": pure decode steps compiled, and for int4 the int8 LM head
-  (quantization/lm_head.py). int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an
-  AWQ or GPTQ g64 build (their rounding differs, their speed does not).
+  (quantization/lm_head.py, run by the native int8 GEMV); "int4native": the decoder's int4 layers forced onto the
+  native int4 GEMV too. int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an AWQ or GPTQ
+  g64 build (their rounding differs, their speed does not).
+- tokq against itself, step-alternated: the int4 configurations' decode steps alternating one by one (far
+  steadier ratios than whole runs on a noisy machine).
 
 Also recorded: the copy bandwidth measured in the same run, each side's bytes read per token (weights at
 stored size plus the KV cache at the mean context) and the fraction of the copy bandwidth that is, the load
@@ -108,7 +111,8 @@ def cpu_facts() -> dict:
 
 # tokq side -----------------------------------------------------------------------------------------------
 
-def tokq_models(model_name: str, quick: bool):
+def tokq_models(model_name: str):
+    """The models measured, each built with its own kernel selection (TOKQ_KERNELS while its layers are prepared)."""
     from tokq.engine.checkpoint import load_model
     from tokq.quantization.lm_head import quantize_lm_head_
     from tokq.quantization.pipeline import quantize_model
@@ -116,13 +120,56 @@ def tokq_models(model_name: str, quick: bool):
     from tokq.zoo import resolve_model
 
     path = resolve_model(model_name)
-    base = load_model(path, dtype=torch.bfloat16)
-    int4 = load_model(path, dtype=torch.bfloat16)
-    quantize_model(int4, "rtn", preset("w4a16").with_weights(group_size=64))
-    int4_head = load_model(path, dtype=torch.bfloat16)
-    quantize_model(int4_head, "rtn", preset("w4a16").with_weights(group_size=64))
-    quantize_lm_head_(int4_head, "int8")
-    return path, {"bf16": base, "int4": int4, "int4+int8head": int4_head}
+
+    def build(int4: bool, head: bool, kernels: str = "") -> torch.nn.Module:
+        saved = os.environ.get("TOKQ_KERNELS")
+        os.environ["TOKQ_KERNELS"] = kernels
+        try:
+            model = load_model(path, dtype=torch.bfloat16)
+            if int4:
+                quantize_model(model, "rtn", preset("w4a16").with_weights(group_size=64))
+            if head:
+                quantize_lm_head_(model, "int8")
+        finally:
+            os.environ.pop("TOKQ_KERNELS") if saved is None else os.environ.__setitem__("TOKQ_KERNELS", saved)
+        return model
+
+    return path, {"bf16": build(False, False), "int4": build(True, False),
+                  "int4+int8head": build(True, True),
+                  "int4native+int8head": build(True, True, "cpu_native_int4,cpu_native_int8")}
+
+
+def kernel_names(model) -> list[str]:
+    return sorted({m.method.kernel_name for m in model.modules() if hasattr(getattr(m, "method", None), "kernel_name")})
+
+
+def step_alternated(models: dict, configs: list[tuple[str, bool]], prompt: list[int], threads: int, steps: int) -> dict:
+    """Decode step times with the configurations alternating step by step (one engine each, one sequence each,
+    started from the same prompt): drift on a shared machine hits every configuration alike, so the ratios are
+    far steadier than whole runs'. Returns median ms per step and each configuration's speed over the first."""
+    from tokq.engine.llm_engine import EngineConfig, LLMEngine
+    from tokq.engine.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engines = {}
+    for name, compiled in configs:
+        engine = LLMEngine(models[name], EngineConfig(max_model_len=len(prompt) + steps + 8, max_num_seqs=1,
+                                                      compile_decode=compiled))
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+        engine.step()  # prefill
+        engine.step()
+        engines[f"{name} {'compiled' if compiled else 'eager'}"] = engine
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(steps):
+        for key, engine in engines.items():
+            started = time.perf_counter()
+            engine.step()
+            times[key].append(time.perf_counter() - started)
+    first = next(iter(times))
+    return {key: {"step_ms": summary([t * 1e3 for t in values]),
+                  "speed_vs_" + first.replace(" ", "_"): summary([a / b for a, b in zip(times[first], values,
+                                                                                          strict=True)])}
+            for key, values in times.items()}
 
 
 def kv_bytes_per_token_read(model, context: float) -> float:
@@ -262,7 +309,7 @@ def main() -> None:
     from tokq.zoo import ZOO, locate_gguf
 
     load_before = os.getloadavg()
-    path, models = tokq_models(args.model, args.quick)
+    path, models = tokq_models(args.model)
     tokenizer = load_tokenizer(path)
     prompt = tokenizer.encode(PROMPT_SOURCE.read_text(encoding="utf-8"))[: args.prompt]
     scratch = Path(tempfile.mkdtemp(prefix="tokq-vs-llama-"))
@@ -270,7 +317,7 @@ def main() -> None:
 
     compile_seconds = warm_compiled(models, prompt, threads)
     configs = ([("tokq", name, compiled) for name in models for compiled in (False, True)
-                if not (name == "int4+int8head" and not compiled)]
+                if compiled or name in ("bf16", "int4")]
                + [("llama.cpp", name, None) for name in ggufs])
     runs: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
@@ -307,6 +354,7 @@ def main() -> None:
         for mine, peer in ((f"tokq int4 eager @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq int4 compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq int4+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4native+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq bf16 eager @{t}t", f"llama.cpp F16 @{t}t"),
                            (f"tokq bf16 compiled @{t}t", f"llama.cpp F16 @{t}t")):
             pairs = [a / b for a, b in zip(runs[mine], runs[peer], strict=True)]
@@ -321,6 +369,9 @@ def main() -> None:
             if a and b:
                 ratios[f"thread scaling {key} ({hi}t / {lo}t)"] = summary([x / y for x, y in zip(a, b, strict=True)])
 
+    alternated = {t: step_alternated(models, [("int4", False), ("int4", True), ("int4+int8head", True),
+                                              ("int4native+int8head", True)], prompt, t, 60 if args.quick else 200)
+                  for t in threads}
     windows, window_source = held_out_windows(tokenizer, args.kl_windows, 512)
     kl = head_kl(models["bf16"], {"int4 (bf16 head)": models["int4"], "int4 + int8 head": models["int4+int8head"]},
                  windows)
@@ -344,6 +395,8 @@ def main() -> None:
         "prompt_tokens": len(prompt), "new_tokens": args.new, "repeats": args.repeats, "threads": threads,
         "copy_bandwidth": bandwidth, "compile_seconds_first_call": compile_seconds,
         "decode_tok_s": table, "ratios": ratios, "lm_head_kl": kl,
+        "tokq_step_alternated": {f"{t}t": v for t, v in alternated.items()},
+        "kernels": {name: kernel_names(m) for name, m in models.items()},
         "greedy_tokens_equal_prefix": {
             "int4 compiled vs eager": agree(f"tokq int4 compiled @{t0}t", f"tokq int4 eager @{t0}t"),
             "bf16 compiled vs eager": agree(f"tokq bf16 compiled @{t0}t", f"tokq bf16 eager @{t0}t"),

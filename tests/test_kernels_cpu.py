@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tokq.engine.layers import Linear
 from tokq.engine.quant_linear import QuantizedLinearMethod, quantize_linear_
 from tokq.errors import ConfigError
+from tokq.kernels.cpu import native
 from tokq.kernels.problem import LinearProblem
 from tokq.kernels.reference import FP8_E4M3_MAX, FP8Weight, IntWeight, linear_reference
 from tokq.kernels.registry import (
@@ -32,6 +33,8 @@ from tokq.kernels.registry import (
 
 # Tolerances: bf16 rounding of scales/zeros/output gives ~2-3e-3 (measured); fp32 paths differ only by summation order.
 TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-5}
+# tokq's native int4 GEMV (after torch's kernels in the walk) takes what they cannot, where it could be built
+NATIVE_OR_REFERENCE = "cpu_native_int4" if native.unavailable() is None else "reference"
 NAME = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 # The real models' layer shapes (N, K) as tokq runs them (q/k/v and gate/up merged), plus the unmerged kv.
@@ -194,7 +197,7 @@ def problem(weight, act=None, dtype=torch.bfloat16) -> LinearProblem:
     (int_weight(48, 128, 4, 64, False), None, torch.bfloat16, "cpu_int4"),
     (int_weight(48, 128, 4, 16, True), None, torch.bfloat16, "reference"),  # group 16: int4pack takes 32..256
     (int_weight(48, 576, 4, 576, True), None, torch.bfloat16, "cpu_int8"),  # per-channel int4 over K=576: int8pack
-    (int_weight(48, 576, 4, 576, False), None, torch.bfloat16, "reference"),
+    (int_weight(48, 576, 4, 576, False), None, torch.bfloat16, NATIVE_OR_REFERENCE),  # asym per-channel int4
     (int_weight(48, 128, 8, 128, True), None, torch.bfloat16, "cpu_int8"),
     (int_weight(48, 100, 8, 100, True), None, torch.bfloat16, "reference"),  # K % 16: int8pack is wrong there
     (int_weight(48, 128, 8, 32, True), None, torch.bfloat16, "reference"),
@@ -233,7 +236,7 @@ def test_tokq_kernels_forces_and_disables(monkeypatch):
     monkeypatch.setenv(ENV, "reference")
     assert prepare_linear_kernel(weight, None, torch.bfloat16).name == "reference"
     monkeypatch.setenv(ENV, "-cpu_int4")
-    assert prepare_linear_kernel(weight, None, torch.bfloat16).name == "reference"
+    assert prepare_linear_kernel(weight, None, torch.bfloat16).name == NATIVE_OR_REFERENCE
     per_channel = int_weight(48, 128, 4, 128, True)  # both int4pack and int8pack can run it
     assert prepare_linear_kernel(per_channel, None, torch.bfloat16).name == "cpu_int8"
     monkeypatch.setenv(ENV, " cpu_int8 , reference")  # forced in the order given; the first that can run it
@@ -314,7 +317,8 @@ def test_kernels_list_cli(tmp_path, capsys):
     assert "cpu_int4" in text and "gate_up_proj" in text
     rows = {r["layer"]: r for r in json.loads((tmp_path / "k.json").read_text())["layers"]}
     assert rows["down_proj"]["kernel"] == "cpu_int4" and rows["down_proj"]["k"] == 96
-    assert rows["qkv_proj"]["count"] == 3 and [s["kernel"] for s in rows["qkv_proj"]["skipped"]] == ["triton_w4a16", "triton_w8a8_int8", "triton_fp8"]
+    assert rows["qkv_proj"]["count"] == 3 and [s["kernel"] for s in rows["qkv_proj"]["skipped"]] == [
+        "triton_w4a16", "triton_w8a8_int8", "triton_fp8", "cpu_native_int8"]
     assert rows["lm_head"]["kernel"] == "dense"
     attention = json.loads((tmp_path / "k.json").read_text())["attention"]
     assert [(a["kernel"], a["count"]) for a in attention] == [("cpu_paged_sdpa", 3)]
@@ -322,4 +326,6 @@ def test_kernels_list_cli(tmp_path, capsys):
     assert main(["kernels", "list", str(out), "--device", "cpu", "--dtype", "fp32", "--json", str(tmp_path / "f.json")]) == 0
     rows = {r["layer"]: r for r in json.loads((tmp_path / "f.json").read_text())["layers"]}
     assert rows["down_proj"]["kernel"] == "reference"
-    assert [s["kernel"] for s in rows["down_proj"]["skipped"]] == ["triton_w4a16", "triton_w8a8_int8", "triton_fp8", "cpu_int4", "cpu_int8", "cpu_w8a8_int8", "cpu_fp8_dequant"]
+    assert [s["kernel"] for s in rows["down_proj"]["skipped"]] == [
+        "triton_w4a16", "triton_w8a8_int8", "triton_fp8", "cpu_native_int8", "cpu_int4", "cpu_int8", "cpu_w8a8_int8",
+        "cpu_native_int4", "cpu_fp8_dequant"]

@@ -548,3 +548,29 @@ def test_cpu_write_kv_fp8_cache():
     write_kv_reference(k, v, *ref, slots, k_scale, v_scale)
     write_kv_cpu(k, v, *out, slots, k_scale, v_scale)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out, ref, strict=True))
+
+
+@pytest.mark.parametrize("table,seq_len,window,kv_dtype", [
+    ([3, 4, 5, 6], 61, None, None),  # one run: a view of the cache
+    ([7, 8, 1, 2, 3], 70, None, None),  # two runs (a shared prefix's blocks, then the sequence's own)
+    ([9, 2, 5, 6, 0], 77, 40, None),  # three runs, the window starting mid-block
+    ([1, 3, 5, 7, 9, 11], 90, None, None),  # six runs: more than VIEW_MAX_RUNS, gathered
+    ([7, 8, 1, 2], 60, None, torch.int8),  # runs of an int8 cache, dequantized per run
+])
+def test_cpu_batch1_decode_reads_block_runs_in_place(table, seq_len, window, kv_dtype):
+    """A lone decode sequence is attended through views of its runs of consecutive blocks, each run's softmax
+    merged by its log-sum-exp: the reference's result whatever the runs."""
+    g = torch.Generator().manual_seed(len(table) * seq_len)
+    bs, heads, kv_heads, dim = 16, 9, 3, 64
+    k_cache = torch.randn(12, bs, kv_heads, dim, generator=g)
+    v_cache = torch.randn(12, bs, kv_heads, dim, generator=g)
+    scales = (None, None)
+    if kv_dtype is torch.int8:
+        scales = (k_cache.abs().amax((0, 1, 3)) / 127, v_cache.abs().amax((0, 1, 3)) / 127)
+        k_cache = (k_cache / scales[0][:, None]).round().clamp(-127, 127).to(torch.int8)
+        v_cache = (v_cache / scales[1][:, None]).round().clamp(-127, 127).to(torch.int8)
+    q = torch.randn(1, heads, dim, generator=g)
+    meta = PagedAttentionMetadata.from_lists([table], [seq_len], [1])
+    args = (q, k_cache, v_cache, meta, 0.125, window, *scales)
+    err = rel_err(paged_attention_cpu(*args), paged_attention_reference(*args))
+    assert err < 1e-5, f"runs of {table}: relative error {err:.2e}"

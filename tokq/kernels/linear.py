@@ -12,7 +12,8 @@ activation scheme, shape and activation dtype. Each `LinearCandidate` is one ker
   the first that can run the layer. The oracle runs everything, so it is last:
 
   triton_w4a16, triton_w8a8_int8, triton_fp8   CUDA (kernels/triton/, imported on first use)
-  cpu_int4, cpu_int8, cpu_w8a8_int8,           CPU (kernels/cpu/linear.py)
+  cpu_native_int8, cpu_int4, cpu_int8,         CPU (kernels/cpu/linear.py over torch ops; native_linear.py
+  cpu_w8a8_int8, cpu_native_int4,              over tokq's own GEMVs, kernels/cpu/native)
   cpu_fp8_dequant
   reference                                    anywhere (kernels/reference.py)
 """
@@ -29,6 +30,7 @@ from tokq.dtypes import DTYPE_NAMES
 
 from . import ENV
 from .cpu import linear as cpu
+from .cpu import native_linear
 from .problem import ACT_SCHEMES, WEIGHT_FORMATS, LinearProblem
 from .reference import QuantizedWeight, linear_reference
 from .triton import TritonFunction
@@ -56,6 +58,9 @@ class LinearCandidate:
     # The dtype the kernel computes in whatever x's is (None: x's own). A kernel that would compute
     # below the layer's precision (bf16 for an fp32 model) is only used when TOKQ_KERNELS forces it.
     compute_dtype: torch.dtype | None = None
+    # Why the kernel, though able to run the problem, is not chosen for it unless TOKQ_KERNELS forces it (a speed
+    # preference measured for some shapes only); None: no preference.
+    unless_forced: Callable[[LinearProblem], str | None] | None = None
 
     def serves(self, problem: LinearProblem) -> bool:
         """Whether the problem's device, weight format and activation scheme are ones it is registered for."""
@@ -70,6 +75,10 @@ class LinearCandidate:
             have, want = DTYPE_NAMES.get(problem.dtype, problem.dtype), DTYPE_NAMES[self.compute_dtype]
             return False, (f"computes in {want}, below the layer's {have} activations; load the model in {want} "
                            f"or force it with {ENV}={self.name}")
+        if ok and self.unless_forced is not None and not forced:
+            why = self.unless_forced(problem)
+            if why:
+                return False, f"{why}; force it with {ENV}={self.name}"
         return ok, reason
 
 
@@ -129,6 +138,13 @@ LINEAR_KERNELS: list[LinearCandidate] = [
         prepare=TritonFunction("fp8", "prepare_fp8"), run=TritonFunction("fp8", "run_fp8"),
         summary="fp8 e4m3 W8A8 (per-token x per-channel scales) or fp8 weight-only, Triton"),
     LinearCandidate(
+        "cpu_native_int8", priority=35, devices=CPU, formats=INT, acts=WEIGHT_ONLY,
+        supports=native_linear.native_int8_supports, prepare=native_linear.prepare_native_int8,
+        run=native_linear.run_native_int8,
+        summary="int8 weight-only per-channel: tokq's native GEMV (int8 activations per block, VNNI/AVX2) for "
+                "decode, aten int8pack for more rows", compute_dtype=torch.bfloat16,
+        unless_forced=native_linear.native_int8_not_preferred),
+    LinearCandidate(
         "cpu_int4", priority=40, devices=CPU, formats=INT, acts=WEIGHT_ONLY,
         supports=cpu.int4pack_supports, prepare=cpu.prepare_int4pack, run=cpu.run_int4pack,
         summary="int4 weight-only: aten._weight_int4pack_mm_for_cpu, bf16 compute", compute_dtype=torch.bfloat16),
@@ -140,6 +156,12 @@ LINEAR_KERNELS: list[LinearCandidate] = [
         "cpu_w8a8_int8", priority=60, devices=CPU, formats=INT, acts=INT8_ACTS,
         supports=cpu.w8a8_supports, prepare=cpu.prepare_w8a8, run=cpu.run_w8a8,
         summary="W8A8 int8: per-token int8 activations, torch._int_mm, fp32 epilogue"),
+    LinearCandidate(
+        "cpu_native_int4", priority=65, devices=CPU, formats=INT, acts=WEIGHT_ONLY,
+        supports=native_linear.native_int4_supports, prepare=native_linear.prepare_native_int4,
+        run=native_linear.run_native_int4,
+        summary="int4 weight-only: tokq's native GEMV (int8 activations per block, VNNI/AVX2) for decode; "
+                "after torch's CPU kernels until it measures faster", compute_dtype=torch.bfloat16),
     LinearCandidate(
         "cpu_fp8_dequant", priority=70, devices=CPU, formats=FP8, acts=frozenset(ACT_SCHEMES),
         supports=cpu.dequant_dense_supports, prepare=cpu.prepare_dequant_dense, run=cpu.run_dequant_dense,

@@ -1,2 +1,3 @@
-"""CPU paths over native torch ops (no compiled code of tokq's own): linear.py (quantized GEMMs) and
-attention.py (paged attention); the registry decides when each runs."""
+"""CPU paths: linear.py (quantized GEMMs over native torch ops), native_linear.py (tokq's own compiled GEMVs for
+decode, native/gemv.cpp, built at first use) and attention.py (paged attention); the registry decides when each
+runs."""

@@ -58,6 +58,7 @@ DECODE_BATCH_BYTES = 4 << 20  # gathered K per batched SDPA call (measured above
 # consecutive (a fresh engine's batch-1 decode always; a long-running server's often): a view instead of a
 # gather. Measured below, batch 1 (SmolLM2 heads, 600 keys, bf16, 1 thread): 63 us against 80 us gathered.
 VIEW_DECODE_MAX_SEQS = 1
+VIEW_MAX_RUNS = 4  # more runs of consecutive blocks than this: gathered instead
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
@@ -148,11 +149,11 @@ class _DecodeGroup:
 
 @dataclass(frozen=True)
 class _DecodeView:
-    """A decode sequence whose visible keys lie in consecutive physical blocks: read in place, no gather."""
+    """A decode sequence whose visible keys lie in a few runs of consecutive physical blocks: read in place, no
+    gather (a prefix-cache hit typically makes two runs: the shared prefix's blocks and the sequence's own)."""
 
     row: int  # its query row in q
-    first: int  # the first visible key's row in the flattened [num_blocks * block_size, Hkv, D] cache
-    length: int  # visible keys
+    runs: tuple[tuple[int, int], ...]  # (first row in the flattened [num_blocks * block_size, Hkv, D] cache, keys)
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,10 @@ def _make_plan(meta: PagedAttentionMetadata, sliding_window: int | None, bs: int
         for b in list(decode):
             start = kv_start(b)
             first_block, last_block = start // bs, (seq_lens[b] - 1) // bs
-            run = tables[b][first_block: last_block + 1]
-            if run == list(range(run[0], run[0] + len(run))):
-                views.append(_DecodeView(qsl[b], run[0] * bs + start - first_block * bs, seq_lens[b] - start))
+            runs = _block_runs(tables[b][first_block: last_block + 1], start - first_block * bs,
+                               seq_lens[b] - start, bs)
+            if len(runs) <= VIEW_MAX_RUNS:
+                views.append(_DecodeView(qsl[b], runs))
                 decode.remove(b)
     groups: list[_DecodeGroup] = []
     if decode:
@@ -272,14 +274,45 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def _block_runs(blocks: list[int], offset: int, length: int, bs: int) -> tuple[tuple[int, int], ...]:
+    """`length` keys starting `offset` keys into `blocks` (physical ids, in order) as runs of consecutive blocks:
+    (first row of the flattened cache, keys) each."""
+    runs: list[list[int]] = []
+    for i, block in enumerate(blocks):
+        lo = offset if i == 0 else 0
+        hi = min(bs, offset + length - i * bs)
+        if runs and block == runs[-1][2] + 1:
+            runs[-1][1] += hi - lo
+            runs[-1][2] = block
+        else:
+            runs.append([block * bs + lo, hi - lo, block])
+    return tuple((first, keys) for first, keys, _ in runs)
+
+
 def _attend_view(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView, scale: float,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
-    """One decode query [1, Hq, D] against its keys read in place from the cache (a view, no copy for a cache in
-    q's dtype)."""
-    rows = slice(view.first, view.first + view.length)
-    k = _view_rows(k_cache, rows, k_scale, q.dtype)
-    v = _view_rows(v_cache, rows, v_scale, q.dtype)
-    return _attend(q.unsqueeze(0), k, v, scale, None, False)[0]
+    """One decode query [1, Hq, D] against its keys read in place from the cache (views, no copy for a cache in
+    q's dtype). Several runs: each run's attention with its log-sum-exp, merged exactly (softmax over the union).
+
+    The query's Hq heads are laid out as Hkv groups of G "query positions" ([1, Hkv, G, D]): one query token, so
+    no mask is needed, and each KV head is read once for its group (GQA without repeating K/V)."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    grouped = q.reshape(kv_heads, heads // kv_heads, dim).unsqueeze(0)  # [1, Hkv, G, D]
+    outs, lses = [], []
+    for first, keys in view.runs:
+        rows = slice(first, first + keys)
+        k = _view_rows(k_cache, rows, k_scale, q.dtype)[0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, keys, D]
+        v = _view_rows(v_cache, rows, v_scale, q.dtype)[0].transpose(0, 1).unsqueeze(0)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(grouped, k, v, scale=scale)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0].reshape(1, heads, dim)
+    lse = torch.stack(lses)  # [runs, 1, Hkv, G]
+    weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # each run's share of the union's softmax mass
+    merged = (torch.stack(outs).float() * weights).sum(0)
+    return merged.to(q.dtype).reshape(1, heads, dim)
 
 
 def _view_rows(cache: torch.Tensor, rows: slice, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

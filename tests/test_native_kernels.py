@@ -1,0 +1,101 @@
+"""tokq's native CPU GEMVs (kernels/cpu/native) against the reference path, on fresh random inputs.
+
+Both kernels quantize the activations to int8 per block, so they are held to a relative tolerance of the largest
+output (the error is printed); the rest of their contract (layouts, fallbacks above NATIVE_MAX_M rows, the registry
+and torch.compile seeing them, what happens without them) is checked exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokq.kernels.cpu import native
+from tokq.kernels.cpu.native_linear import NATIVE_MAX_M, native_int8_supports
+from tokq.kernels.linear import LINEAR_KERNELS
+from tokq.kernels.problem import LinearProblem
+from tokq.kernels.reference import IntWeight, linear_reference
+from tokq.kernels.registry import prepare_linear_kernel
+
+pytestmark = pytest.mark.skipif(native.unavailable() is not None,
+                                reason=f"native kernels unavailable here: {native.unavailable()}")
+
+TOLERANCE = 0.02  # of the largest |output|; measured ~0.005 (int8 activations per block)
+
+
+def random_int_weight(n: int, k: int, bits: int, group: int, symmetric: bool, seed: int) -> IntWeight:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))
+    q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.05 + 0.001
+    zero = None if symmetric else torch.randint(lo, hi, (n, k // group), generator=g, dtype=torch.int8)
+    return IntWeight(q, scale, zero, bits, group)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("n,k,group,symmetric,m", [
+    (96, 128, 32, True, 1), (64, 576, 64, False, 1), (48, 512, 128, False, 3), (36, 256, 64, True, 16),
+    (1539, 576, 64, False, 2),  # N not a multiple of 4: the tail rows
+])
+def test_int4_gemv_matches_reference(n, k, group, symmetric, m):
+    weight = random_int_weight(n, k, 4, group, symmetric, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float32).to(torch.bfloat16)
+    kernel = prepare_linear_kernel(weight, None, torch.bfloat16, "cpu_native_int4")
+    assert kernel.name == "cpu_native_int4"
+    got, want = kernel(x, None, None), linear_reference(x, weight, None, None)
+    err = relative_error(got, want)
+    print(f"int4 [{n}x{k}] g{group} {'sym' if symmetric else 'asym'} M={m}: max error {err:.4f} of max |y|")
+    assert got.dtype == x.dtype and got.shape == (m, n) and err < TOLERANCE
+
+
+@pytest.mark.parametrize("n,k,m", [(128, 576, 1), (49152 // 64, 640, 4), (77, 64, 2)])
+def test_int8_gemv_matches_reference(n, k, m):
+    weight = random_int_weight(n, k, 8, k, True, seed=n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n), dtype=torch.float32).to(torch.bfloat16)
+    kernel = prepare_linear_kernel(weight, None, torch.bfloat16, "cpu_native_int8")  # forced: N below its minimum
+    assert kernel.name == "cpu_native_int8"
+    got, want = kernel(x, None, None), linear_reference(x, weight, None, None)
+    err = relative_error(got, want)
+    print(f"int8 [{n}x{k}] M={m}: max error {err:.4f} of max |y|")
+    assert err < TOLERANCE
+
+
+@pytest.mark.parametrize("name,bits,group", [("cpu_native_int4", 4, 64), ("cpu_native_int8", 8, 128)])
+def test_more_rows_than_the_gemv_takes_go_to_torch_paths(name, bits, group):
+    weight = random_int_weight(64, 128, bits, group, True, seed=3)
+    x = torch.randn(NATIVE_MAX_M + 5, 128).to(torch.bfloat16)
+    kernel = prepare_linear_kernel(weight, None, torch.bfloat16, name)
+    err = relative_error(kernel(x, None, None), linear_reference(x, weight, None, None))
+    assert err < 0.01  # bf16 GEMMs, no activation quantization
+
+
+def test_torch_compile_traces_the_native_ops():
+    weight = random_int_weight(64, 256, 4, 64, False, seed=5)
+    kernel = prepare_linear_kernel(weight, None, torch.bfloat16, "cpu_native_int4")
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    compiled = torch.compile(lambda t: kernel(t * 2, None, None) + 1, fullgraph=True)
+    assert torch.allclose(compiled(x).float(), (kernel(x * 2, None, None) + 1).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_int4_packing_layout():
+    codes = torch.arange(64, dtype=torch.int8).remainder(16).sub(8).view(1, 64)
+    packed = native.pack_int4(codes)
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    u = codes.to(torch.int16) + 8
+    assert int(packed[0, 0]) == int(u[0, 0]) | int(u[0, 16]) << 4  # chunk 0, byte 0: elements 0 and 16
+    assert int(packed[0, 16]) == int(u[0, 32]) | int(u[0, 48]) << 4  # chunk 1, byte 0: elements 32 and 48
+
+
+def test_refusals_say_why(monkeypatch):
+    ok, why = native_int8_supports(LinearProblem("cpu", "int", 8, 100, True, None, 32768, 100, torch.bfloat16))
+    assert not ok and "multiple of 64" in why
+    candidate = next(c for c in LINEAR_KERNELS if c.name == "cpu_native_int8")
+    ok, why = candidate.verdict(LinearProblem("cpu", "int", 8, 128, True, None, 576, 128, torch.bfloat16))
+    assert not ok and "output layers" in why and "TOKQ_KERNELS=cpu_native_int8" in why
+    head = random_int_weight(16384, 128, 8, 128, True, seed=1)  # a vocabulary-sized output layer: chosen unforced
+    assert prepare_linear_kernel(head, None, torch.bfloat16).name == "cpu_native_int8"
+    monkeypatch.setenv(native.ENV, "0")
+    assert "TOKQ_NATIVE=0" in native._load()

@@ -1,0 +1,341 @@
+// tokq's native CPU kernels for decode: weight-only int4 and int8 GEMV (few rows of activations), built at first use
+// by tokq/kernels/cpu/native.py with this machine's compiler for this machine's instruction set (-march=native).
+//
+// Both quantize the activations to int8 on the fly, per block of 32 (int4) or 64 (int8) values with an fp32 scale
+// each, as llama.cpp's Q8 activations do, and compute the integer dot products with VNNI (vpdpbusd: unsigned 8-bit
+// x signed 8-bit -> int32) where the CPU has it, or AVX2's vpmaddubsw + vpmaddwd, or plain C. The weights are read
+// once per call whatever the number of activation rows (M <= 32), which is what makes decode bandwidth-bound.
+//
+// int4 layout (pack_int4 in native.py): unsigned codes u = q + 8 in 0..15, row-major [N, K/2] bytes; each chunk of
+// 32 weights is 16 bytes, byte j = u[j] | u[j + 16] << 4. W[n, k] = (u - 8) * scale[n, g] + zero[n, g], zero being
+// -z * scale (0 when symmetric), g = k / group_size. y[m, n] = sum_g scale * sum_{k in g} (u - 8) x + zero * sum x.
+// int8 layout: codes q [N, K] (signed) and, for VNNI, the same codes + 128 as unsigned bytes; one scale per row.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define TOKQ_VNNI256 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define TOKQ_VNNI512 1
+#endif
+
+namespace {
+
+// Activations of one row quantized to int8 in blocks of `block` values.
+struct QuantRow {
+  std::vector<int8_t> q;
+  std::vector<float> scale;  // per block
+  std::vector<float> scaled_sum;  // per block: scale * sum(q)
+  // int4 on AVX-512: per pair of 32-blocks, the codes in the order the unpacked weights come out of a 256-bit load
+  // ([b0 0:16, b1 0:16, b0 16:32, b1 16:32]) and the 16 lanes' block scales ([s0 x4, s1 x4, s0 x4, s1 x4])
+  std::vector<int8_t> pair_q;
+  std::vector<float> pair_scale;
+};
+
+void arrange_pairs(QuantRow& r, int64_t K) {
+  const int64_t pairs = K / 64;
+  r.pair_q.resize(K);
+  r.pair_scale.resize(pairs * 16);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int8_t* b0 = r.q.data() + p * 64;
+    const int8_t* b1 = b0 + 32;
+    int8_t* out = r.pair_q.data() + p * 64;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = b0[j]; out[16 + j] = b1[j]; out[32 + j] = b0[16 + j]; out[48 + j] = b1[16 + j];
+    }
+    for (int lane = 0; lane < 16; ++lane) r.pair_scale[p * 16 + lane] = r.scale[2 * p + ((lane / 4) % 2)];
+  }
+}
+
+QuantRow quantize_row(const float* x, int64_t K, int64_t block) {
+  QuantRow r;
+  r.q.resize(K);
+  r.scale.resize(K / block);
+  r.scaled_sum.resize(K / block);
+  for (int64_t b = 0; b < K / block; ++b) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(x[b * block + k]));
+    const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < block; ++k) {
+      int32_t v = static_cast<int32_t>(std::nearbyint(x[b * block + k] * inv));
+      v = std::min(127, std::max(-127, v));
+      r.q[b * block + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    r.scale[b] = s;
+    r.scaled_sum[b] = s * static_cast<float>(sum);
+  }
+  return r;
+}
+
+#if defined(__AVX2__)
+inline float hsum256(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// 32 unsigned 8-bit values (0..15 or 0..255 with |x| small enough) times 32 signed: 8 int32 partial sums.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(TOKQ_VNNI256)
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#endif
+#else
+  // u <= 15 here (int4 codes), |s| <= 127: a pair sums to at most 3810, no 16-bit saturation
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// One int4 row against one quantized activation row.
+inline float int4_row(const uint8_t* w, const float* scale, const float* zero, const QuantRow& x, int64_t K,
+                      int64_t group) {
+  const int64_t chunks_per_group = group / 32;
+  float offset = 0.f;  // sum_g (zero_g - 8 scale_g) * sum_{k in g} x_k
+  for (int64_t g = 0; g < K / group; ++g) {
+    float xs = 0.f;
+    for (int64_t c = 0; c < chunks_per_group; ++c) xs += x.scaled_sum[g * chunks_per_group + c];
+    offset += (zero[g] - 8.f * scale[g]) * xs;
+  }
+#if defined(__AVX2__)
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * 16));
+    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    const __m256i u = _mm256_set_m128i(hi, lo);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + c * 32));
+    const __m256 d = _mm256_cvtepi32_ps(dot_u8s8(u, xv));
+    acc = _mm256_fmadd_ps(d, _mm256_set1_ps(scale[c / chunks_per_group] * x.scale[c]), acc);
+  }
+  return hsum256(acc) + offset;
+#else
+  float total = 0.f;
+  for (int64_t c = 0; c < K / 32; ++c) {
+    int32_t d = 0;
+    for (int64_t j = 0; j < 16; ++j) {
+      d += static_cast<int32_t>(w[c * 16 + j] & 0x0F) * x.q[c * 32 + j];
+      d += static_cast<int32_t>(w[c * 16 + j] >> 4) * x.q[c * 32 + 16 + j];
+    }
+    total += static_cast<float>(d) * scale[c / chunks_per_group] * x.scale[c];
+  }
+  return total + offset;
+#endif
+}
+
+// Four consecutive int4 rows against one activation row: four independent accumulators (one row alone is bound by
+// the latency of its single FMA chain) sharing each activation load.
+inline void int4_rows4(const uint8_t* w, int64_t row_bytes, const float* scale, const float* zero, int64_t G,
+                       const QuantRow& x, int64_t K, int64_t group, float* out) {
+#if defined(TOKQ_VNNI512)
+  if (!x.pair_q.empty()) {
+    // 64 weights (two 32-chunks, 32 packed bytes) per row per step: one 512-bit vpdpbusd
+    const int64_t chunks_per_group = group / 32;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t p = 0; p < K / 64; ++p) {
+      const __m512i xv = _mm512_loadu_si512(reinterpret_cast<const void*>(x.pair_q.data() + p * 64));
+      const __m512 xs = _mm512_loadu_ps(x.pair_scale.data() + p * 16);
+      const int64_t g0 = (2 * p) / chunks_per_group, g1 = (2 * p + 1) / chunks_per_group;
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + p * 32));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv));
+        const __m512 ws = g0 == g1 ? _mm512_set1_ps(scale[r * G + g0])
+                                   : _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(scale[r * G + g0]),
+                                                          _mm512_set1_ps(scale[r * G + g1]));
+        acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(xs, ws), acc[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      float offset = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
+        for (int64_t c = 0; c < chunks_per_group; ++c) sum += x.scaled_sum[g * chunks_per_group + c];
+        offset += (zero[r * G + g] - 8.f * scale[r * G + g]) * sum;
+      }
+      out[r] = _mm512_reduce_add_ps(acc[r]) + offset;
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  const int64_t chunks_per_group = group / 32;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + c * 32));
+    const float xs = x.scale[c];
+    const int64_t g = c / chunks_per_group;
+    for (int r = 0; r < 4; ++r) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + c * 16));
+      const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+      const __m256 d = _mm256_cvtepi32_ps(dot_u8s8(_mm256_set_m128i(hi, lo), xv));
+      acc[r] = _mm256_fmadd_ps(d, _mm256_set1_ps(scale[r * G + g] * xs), acc[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) {
+    float offset = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < chunks_per_group; ++c) sum += x.scaled_sum[g * chunks_per_group + c];
+      offset += (zero[r * G + g] - 8.f * scale[r * G + g]) * sum;
+    }
+    out[r] = hsum256(acc[r]) + offset;
+  }
+#else
+  for (int r = 0; r < 4; ++r)
+    out[r] = int4_row(w + r * row_bytes, scale + r * G, zero + r * G, x, K, group);
+#endif
+}
+
+// One int8 row (signed codes w, or unsigned w + 128 as wu for VNNI) against one activation row in blocks of 64.
+inline float int8_row(const int8_t* w, const uint8_t* wu, const QuantRow& x, int64_t K) {
+#if defined(__AVX2__) && defined(TOKQ_VNNI256)
+  (void)w;
+  __m256 acc = _mm256_setzero_ps();
+  float correction = 0.f;  // sum_b 128 * scale_b * sum(x_b): the +128 of the unsigned codes taken back out
+  for (int64_t b = 0; b < K / 64; ++b) {
+    __m256i d = _mm256_setzero_si256();
+    for (int64_t h = 0; h < 64; h += 32) {
+      const __m256i uv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wu + b * 64 + h));
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + b * 64 + h));
+      d = _mm256_add_epi32(d, dot_u8s8(uv, xv));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(x.scale[b]), acc);
+    correction += 128.f * x.scaled_sum[b];
+  }
+  return hsum256(acc) - correction;
+#elif defined(__AVX2__)
+  (void)wu;
+  __m256 acc = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < K / 64; ++b) {
+    __m256i d = _mm256_setzero_si256();
+    for (int64_t h = 0; h < 64; h += 32) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 64 + h));
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + b * 64 + h));
+      // |x| times sign(x) * w: both at most 127 in magnitude, so a pair never saturates 16 bits
+      const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+      d = _mm256_add_epi32(d, _mm256_madd_epi16(p, ones));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(x.scale[b]), acc);
+  }
+  return hsum256(acc);
+#else
+  (void)wu;
+  float total = 0.f;
+  for (int64_t b = 0; b < K / 64; ++b) {
+    int32_t d = 0;
+    for (int64_t k = 0; k < 64; ++k) d += static_cast<int32_t>(w[b * 64 + k]) * x.q[b * 64 + k];
+    total += static_cast<float>(d) * x.scale[b];
+  }
+  return total;
+#endif
+}
+
+std::vector<QuantRow> quantize_rows(const at::Tensor& xf, int64_t block) {
+  const int64_t M = xf.size(0), K = xf.size(1);
+  std::vector<QuantRow> rows;
+  rows.reserve(M);
+  for (int64_t m = 0; m < M; ++m) rows.push_back(quantize_row(xf.data_ptr<float>() + m * K, K, block));
+  return rows;
+}
+
+constexpr int64_t ROWS_PER_TASK = 64;
+
+}  // namespace
+
+// y [M, N] fp32 = x [M, K] @ W^T, W int4 in the layout above; scale, zero fp32 [N, K / group].
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                     int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && packed.size(1) * 2 == x.size(1), "tokq_native::int4_gemv: shapes");
+  TORCH_CHECK(group % 32 == 0 && x.size(1) % group == 0, "tokq_native::int4_gemv: group must divide K, 32 | group");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat && zero.scalar_type() == at::kFloat,
+              "tokq_native::int4_gemv: dtypes");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), N = packed.size(0), G = K / group;
+  auto y = at::empty({M, N}, xf.options());
+  auto rows = quantize_rows(xf, 32);
+#if defined(TOKQ_VNNI512)
+  if (K % 64 == 0)
+    for (auto& r : rows) arrange_pairs(r, K);
+#endif
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* zp = zero.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t quads = N / 4;
+  at::parallel_for(0, quads, ROWS_PER_TASK / 4, [&](int64_t begin, int64_t end) {
+    float out[4];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * 4;
+      for (int64_t m = 0; m < M; ++m) {
+        int4_rows4(wp + n * (K / 2), K / 2, sp + n * G, zp + n * G, G, rows[m], K, group, out);
+        for (int r = 0; r < 4; ++r) yp[m * N + n + r] = out[r];
+      }
+    }
+  });
+  for (int64_t n = quads * 4; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m)
+      yp[m * N + n] = int4_row(wp + n * (K / 2), sp + n * G, zp + n * G, rows[m], K, group);
+  return y;
+}
+
+// y [M, N] fp32 = x [M, K] @ (q * scale[:, None])^T; q int8 [N, K]; qu uint8 [N, K] (q + 128) on VNNI builds, else
+// may be empty.
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& qu, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1) && q.size(1) % 64 == 0,
+              "tokq_native::int8_gemv: x [M, K], q [N, K], 64 | K");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), N = q.size(0);
+  auto y = at::empty({M, N}, xf.options());
+  const auto rows = quantize_rows(xf, 64);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const uint8_t* up = qu.numel() ? qu.data_ptr<uint8_t>() : nullptr;
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, ROWS_PER_TASK * 4, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        yp[m * N + n] = sp[n] * int8_row(qp + n * K, up ? up + n * K : nullptr, rows[m], K);
+  });
+  return y;
+}
+
+std::string isa() {
+#if defined(TOKQ_VNNI512)
+  return "avx512+vnni";
+#elif defined(TOKQ_VNNI256)
+  return "avx2+vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+TORCH_LIBRARY(tokq_native, m) {
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor q, Tensor qu, Tensor scale) -> Tensor");
+  m.def("isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(tokq_native, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int8_gemv", &int8_gemv);
+}

@@ -1,0 +1,142 @@
+"""Linear kernels over tokq's native CPU GEMVs (kernels/cpu/native): decode-sized M through gemv.cpp, larger M
+through torch's ops as the `cpu_int4` / `cpu_int8` paths run them.
+
+- `cpu_native_int8` (int8 weight-only, per-channel symmetric, K a multiple of 64, N >= NATIVE_INT8_MIN_N): up to
+  NATIVE_MAX_M rows through `tokq_native::int8_gemv`, more through `aten._weight_int8pack_mm`. Chosen before
+  `cpu_int8` for output-layer-sized weights, where it was measured: on the LM head of SmolLM2 (49152 x 576) it
+  runs in 3.4 ms against 6.0-6.3 ms at 1 thread, cache cold (2-core Xeon, VNNI build), and a decode step at
+  1 thread is 5% faster with it (benchmarks/vs_llamacpp.py). Decoder-sized int8 layers keep `cpu_int8` until
+  measured.
+- `cpu_native_int4` (int4/int3/int2 weight-only, groups of a multiple of 32): up to NATIVE_MAX_M rows through
+  `tokq_native::int4_gemv`, more as `cpu_int4` does above its own cutoff (dequantize once, dense bf16 GEMM). After
+  torch's CPU kernels in the walk, so chosen only where none of them runs the layer (e.g. per-channel asymmetric
+  int4, which was the reference before): in the engine it measured slower than aten's int4 op (a decode step
+  0.97x the eager baseline against 1.30x, same run); it is there to be measured (`TOKQ_KERNELS=cpu_native_int4`,
+  benchmarks/vs_llamacpp.py) and improved.
+
+Both quantize the activations to int8 per block (as llama.cpp does): against the reference, outputs differ by
+~0.5% of the largest output (tests/test_native_kernels.py checks each on fresh random inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tokq.dtypes import FLOAT_DTYPES
+
+from ..problem import LinearProblem
+from ..reference import IntWeight
+from . import native
+from .linear import Support, _finish, _rows, dequantize_bf16
+
+NATIVE_MAX_M = 16  # rows per call through the GEMV kernels; more rows go to torch's GEMM paths
+NATIVE_INT4_GROUP_MULTIPLE = 32
+NATIVE_INT8_K_MULTIPLE = 64
+NATIVE_INT8_MIN_N = 8192  # output layers (vocabulary-sized): where the kernel was measured faster
+
+
+def _native_common(p: LinearProblem) -> str | None:
+    if p.device != "cpu":
+        return f"runs on CPU only (the layer is on {p.device})"
+    why = native.unavailable()
+    if why:
+        return why
+    if p.fmt != "int":
+        return f"takes integer weights, not {p.fmt}"
+    if p.act is not None:
+        return f"weight-only: {p.act} activations need a W8A8 kernel"
+    if p.dtype not in FLOAT_DTYPES:
+        return f"activations of {p.dtype} are not supported (fp32, bf16, fp16)"
+    return None
+
+
+# int8 ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class NativeInt8State:
+    q: torch.Tensor  # int8 [N, K]: the layer's own codes (no copy)
+    unsigned: torch.Tensor  # uint8 [N, K] = q + 128 on VNNI builds (what the kernel reads), else empty
+    scale: torch.Tensor  # fp32 [N]
+    scale_bf16: torch.Tensor  # bf16 [N], for aten._weight_int8pack_mm above NATIVE_MAX_M rows
+    n: int
+    k: int
+
+
+def native_int8_supports(p: LinearProblem) -> Support:
+    why = _native_common(p)
+    if why:
+        return False, why
+    if p.bits != 8 or not p.per_channel or not p.symmetric:
+        return False, "takes int8 codes with one symmetric scale per output channel"
+    if p.k % NATIVE_INT8_K_MULTIPLE:
+        return False, f"K={p.k} is not a multiple of {NATIVE_INT8_K_MULTIPLE}"
+    return True, f"native int8 GEMV ({native.isa()}) up to {NATIVE_MAX_M} rows, aten int8pack above"
+
+
+def native_int8_not_preferred(p: LinearProblem) -> str | None:
+    """Why the registry does not pick it unforced for this shape (None: it does)."""
+    if p.n < NATIVE_INT8_MIN_N:
+        return f"N={p.n}: measured faster on output layers (N >= {NATIVE_INT8_MIN_N}) only"
+    return None
+
+
+def prepare_native_int8(weight: IntWeight, p: LinearProblem) -> NativeInt8State:
+    q = weight.q.contiguous()
+    n, k = q.shape
+    unsigned = ((q.to(torch.int16) + 128).to(torch.uint8) if native.wants_unsigned_int8()
+                else torch.empty(0, dtype=torch.uint8))
+    scale = weight.scale.reshape(n).float().contiguous()
+    return NativeInt8State(q, unsigned, scale, scale.to(torch.bfloat16), n, k)
+
+
+def run_native_int8(x: torch.Tensor, state: NativeInt8State, bias: torch.Tensor | None, act: str | None) -> torch.Tensor:
+    rows = _rows(x, state.k)
+    if rows.shape[0] > NATIVE_MAX_M:
+        y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), state.q, state.scale_bf16)
+    else:
+        y = torch.ops.tokq_native.int8_gemv(rows, state.q, state.unsigned, state.scale)
+    return _finish(y, x, state.n, bias)
+
+
+# int4 ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class NativeInt4State:
+    packed: torch.Tensor  # uint8 [N, K/2] in gemv.cpp's layout
+    scale: torch.Tensor  # fp32 [N, G]
+    zero: torch.Tensor  # fp32 [N, G]: -z * scale (0 when symmetric)
+    group_size: int
+    n: int
+    k: int
+    # the layer's own codes/scales (no copy): dequantized per call above NATIVE_MAX_M rows
+    weight: IntWeight = field(repr=False, metadata={"layer_buffers": True})
+
+
+def native_int4_supports(p: LinearProblem) -> Support:
+    why = _native_common(p)
+    if why:
+        return False, why
+    if p.bits > 4:
+        return False, f"takes codes of at most 4 bits, these have {p.bits}"
+    if p.group_size % NATIVE_INT4_GROUP_MULTIPLE:
+        return False, f"group size {p.group_size} is not a multiple of {NATIVE_INT4_GROUP_MULTIPLE}"
+    return True, f"native int4 GEMV ({native.isa()}) up to {NATIVE_MAX_M} rows, dequantize + bf16 GEMM above"
+
+
+def prepare_native_int4(weight: IntWeight, p: LinearProblem) -> NativeInt4State:
+    n, k = weight.q.shape
+    scale = weight.scale.float().contiguous()
+    zero = torch.zeros_like(scale) if weight.zero is None else (-weight.zero.float() * scale).contiguous()
+    return NativeInt4State(native.pack_int4(weight.q), scale, zero, weight.group_size, n, k, weight)
+
+
+def run_native_int4(x: torch.Tensor, state: NativeInt4State, bias: torch.Tensor | None, act: str | None) -> torch.Tensor:
+    rows = _rows(x, state.k)
+    if rows.shape[0] > NATIVE_MAX_M:
+        y = F.linear(rows.to(torch.bfloat16), dequantize_bf16(state.weight))
+    else:
+        y = torch.ops.tokq_native.int4_gemv(rows, state.packed, state.scale, state.zero, state.group_size)
+    return _finish(y, x, state.n, bias)
