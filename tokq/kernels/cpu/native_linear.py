@@ -25,12 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokq.dtypes import FLOAT_DTYPES
-
 from ..problem import LinearProblem
 from ..reference import IntWeight
 from . import native
-from .linear import Support, _finish, _rows, dequantize_bf16
+from .linear import Support, _finish, _rows, _weight_only_int, dequantize_bf16
 
 NATIVE_MAX_M = 16  # rows per call through the GEMV kernels; more rows go to torch's GEMM paths
 NATIVE_INT4_GROUP_MULTIPLE = 32
@@ -39,18 +37,8 @@ NATIVE_INT8_MIN_N = 8192  # output layers (vocabulary-sized): where the kernel w
 
 
 def _native_common(p: LinearProblem) -> str | None:
-    if p.device != "cpu":
-        return f"runs on CPU only (the layer is on {p.device})"
-    why = native.unavailable()
-    if why:
-        return why
-    if p.fmt != "int":
-        return f"takes integer weights, not {p.fmt}"
-    if p.act is not None:
-        return f"weight-only: {p.act} activations need a W8A8 kernel"
-    if p.dtype not in FLOAT_DTYPES:
-        return f"activations of {p.dtype} are not supported (fp32, bf16, fp16)"
-    return None
+    """Why the native kernels cannot take this problem (None: they can); builds them on the first CPU problem."""
+    return _weight_only_int(p, "tokq's native kernels", True) or native.unavailable()
 
 
 # int8 ------------------------------------------------------------------------------------------------------

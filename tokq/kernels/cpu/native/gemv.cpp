@@ -100,16 +100,22 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 }
 #endif
 
+// The part of an int4 row's dot product that does not depend on its codes: sum_g (zero_g - 8 scale_g) * sum_{k in g} x_k.
+inline float int4_offset(const float* scale, const float* zero, int64_t G, int64_t chunks_per_group, const QuantRow& x) {
+  float offset = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    float sum = 0.f;
+    for (int64_t c = 0; c < chunks_per_group; ++c) sum += x.scaled_sum[g * chunks_per_group + c];
+    offset += (zero[g] - 8.f * scale[g]) * sum;
+  }
+  return offset;
+}
+
 // One int4 row against one quantized activation row.
 inline float int4_row(const uint8_t* w, const float* scale, const float* zero, const QuantRow& x, int64_t K,
                       int64_t group) {
   const int64_t chunks_per_group = group / 32;
-  float offset = 0.f;  // sum_g (zero_g - 8 scale_g) * sum_{k in g} x_k
-  for (int64_t g = 0; g < K / group; ++g) {
-    float xs = 0.f;
-    for (int64_t c = 0; c < chunks_per_group; ++c) xs += x.scaled_sum[g * chunks_per_group + c];
-    offset += (zero[g] - 8.f * scale[g]) * xs;
-  }
+  const float offset = int4_offset(scale, zero, K / group, chunks_per_group, x);
 #if defined(__AVX2__)
   const __m128i mask = _mm_set1_epi8(0x0F);
   __m256 acc = _mm256_setzero_ps();
@@ -161,15 +167,8 @@ inline void int4_rows4(const uint8_t* w, int64_t row_bytes, const float* scale, 
         acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(xs, ws), acc[r]);
       }
     }
-    for (int r = 0; r < 4; ++r) {
-      float offset = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.f;
-        for (int64_t c = 0; c < chunks_per_group; ++c) sum += x.scaled_sum[g * chunks_per_group + c];
-        offset += (zero[r * G + g] - 8.f * scale[r * G + g]) * sum;
-      }
-      out[r] = _mm512_reduce_add_ps(acc[r]) + offset;
-    }
+    for (int r = 0; r < 4; ++r)
+      out[r] = _mm512_reduce_add_ps(acc[r]) + int4_offset(scale + r * G, zero + r * G, G, chunks_per_group, x);
     return;
   }
 #endif
@@ -188,15 +187,8 @@ inline void int4_rows4(const uint8_t* w, int64_t row_bytes, const float* scale, 
       acc[r] = _mm256_fmadd_ps(d, _mm256_set1_ps(scale[r * G + g] * xs), acc[r]);
     }
   }
-  for (int r = 0; r < 4; ++r) {
-    float offset = 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      float sum = 0.f;
-      for (int64_t c = 0; c < chunks_per_group; ++c) sum += x.scaled_sum[g * chunks_per_group + c];
-      offset += (zero[r * G + g] - 8.f * scale[r * G + g]) * sum;
-    }
-    out[r] = hsum256(acc[r]) + offset;
-  }
+  for (int r = 0; r < 4; ++r)
+    out[r] = hsum256(acc[r]) + int4_offset(scale + r * G, zero + r * G, G, chunks_per_group, x);
 #else
   for (int r = 0; r < 4; ++r)
     out[r] = int4_row(w + r * row_bytes, scale + r * G, zero + r * G, x, K, group);
