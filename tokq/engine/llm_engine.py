@@ -368,6 +368,19 @@ class LLMEngine:
 
     # Batch APIs -----------------------------------------------------------------------------------
 
+    def warm_up(self) -> None:
+        """Pay first-call costs before anything is timed or served: one short request, and when decode steps are
+        compiled (engine/compiled_decode.py) two at once too, so that both the one-sequence graph and the graph for
+        several are compiled here rather than inside a measurement. Metrics are reset afterwards."""
+        vocab = self.model.config.vocab_size
+        new = max(1, min(3, self.max_model_len - 1))
+        length = max(1, min(16, self.max_model_len - new))
+        params = SamplingParams(max_tokens=new, ignore_eos=True)
+        self.generate([[1000 % vocab] * length], params)
+        if self.runner.compile_decode and self.config.max_num_seqs > 1 and new > 1:
+            self.generate([[1000 % vocab] * length, [1001 % vocab] * length], params)
+        self.reset_metrics()
+
     def reset_metrics(self) -> None:
         self._run = _RunState()
         if self.model.device.type == "cuda":

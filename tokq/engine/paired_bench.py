@@ -131,9 +131,8 @@ def run_paired(engines: dict[str, LLMEngine], workload: Workload, vocab_size: in
     starts when the last pass's duration still fits the budget)."""
     if block_steps < 1:
         raise ValueError(f"block_steps must be >= 1, got {block_steps}")
-    for engine in engines.values():  # first-call costs (allocations, kernel choice) out of the measurement
-        warm = max(1, min(16, engine.max_model_len - 2))
-        engine.generate([[1000 % vocab_size] * warm], SamplingParams(max_tokens=2, ignore_eos=True))
+    for engine in engines.values():  # first-call costs (allocations, compiled decode graphs) out of the measurement
+        engine.warm_up()
     lengths = workload.output_lengths()
     offsets = workload.arrival_offsets()
     passes: list[PassTrace] = []

@@ -68,7 +68,9 @@ class Workload:
 
 def warm_up(engine: LLMEngine, prompt: list[int]) -> None:
     """One short request to pay first-call costs before timing: up to 16 prompt tokens and 4 new ones, cut
-    to fit the engine's context (a workload's max_model_len can be as small as prompt + output length)."""
+    to fit the engine's context (a workload's max_model_len can be as small as prompt + output length); and the
+    engine's own warm-up (the compiled decode graphs)."""
+    engine.warm_up()
     new = min(4, engine.max_model_len - 1)
     engine.generate([prompt[:min(16, engine.max_model_len - new)]], SamplingParams(max_tokens=new, ignore_eos=True))
 

@@ -43,7 +43,10 @@ def load_engine(model: str, *, dtype: str = "auto", device: str = "auto", **engi
     read_config(checkpoint)  # a folder that is no checkpoint is named as such, before its tokenizer
     tokenizer = load_tokenizer(checkpoint)
     weights = load_model(checkpoint, dtype=compute_dtype_name(dtype, dev.type), device=dev)
-    return Loaded(LLMEngine(weights, config, tokenizer), tokenizer, str(checkpoint))
+    engine = LLMEngine(weights, config, tokenizer)
+    if engine.runner.compile_decode:  # compile the decode graphs now, not inside the first clients' requests
+        engine.warm_up()
+    return Loaded(engine, tokenizer, str(checkpoint))
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
