@@ -99,3 +99,42 @@ def test_refusals_say_why(monkeypatch):
     assert prepare_linear_kernel(head, None, torch.bfloat16).name == "cpu_native_int8"
     monkeypatch.setenv(native.ENV, "0")
     assert "TOKQ_NATIVE=0" in native._load()
+
+
+CHECK_ANOTHER_BUILD = """
+import torch
+from tokq.kernels.cpu import native
+from tokq.kernels.reference import IntWeight, linear_reference
+from tokq.kernels.registry import prepare_linear_kernel
+assert native.unavailable() is None, native.unavailable()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+for bits, group, name in ((8, 256, "cpu_native_int8"), (4, 64, "cpu_native_int4")):
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (40, 256), generator=g, dtype=torch.int8)
+    q[0, :8] = lo  # the most negative code (-128 for int8) is where a sign trick breaks
+    zero = None if bits == 8 else torch.randint(lo, hi, (40, 256 // group), generator=g, dtype=torch.int8)
+    w = IntWeight(q, torch.rand(40, 256 // group, generator=g) * 0.05 + 0.001, zero, bits, group)
+    got = prepare_linear_kernel(w, None, torch.bfloat16, name)(x, None, None).float()
+    want = linear_reference(x, w, None, None).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 0.02, (name, err)
+print(native.isa())
+"""
+
+
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+def test_other_instruction_sets_match_reference(march, isa, tmp_path):
+    """The AVX2 and plain-C paths, built for those instruction sets on this CPU (CI's CPU may be any of them)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 instruction sets")
+    env = {**os.environ, "TOKQ_NATIVE_MARCH": march, "TOKQ_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", CHECK_ANOTHER_BUILD], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == isa

@@ -56,12 +56,18 @@ def _compiler() -> str | None:
     return None
 
 
+def _march() -> str:
+    """The instruction set to compile for: this CPU's, unless $TOKQ_NATIVE_MARCH names another (the tests build
+    the AVX2 and plain-C paths that way on a CPU that would pick AVX-512)."""
+    return os.environ.get("TOKQ_NATIVE_MARCH", "native")
+
+
 def _build(compiler: str, out: Path) -> None:
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+    cmd = [compiler, "-O3", f"-march={_march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(out),
            f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -79,7 +85,8 @@ def _load() -> str | None:
         if compiler is None:
             return "no C++ compiler found ($CXX, g++, c++ or clang++) to build tokq's native kernels"
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-        key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *version, _cpu_flags()]).encode())
+        key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *version, _cpu_flags(),
+                                         _march()]).encode())
         folder = _home() / "native" / key.hexdigest()[:16]
         library = folder / "libtokq_native.so"
         if not library.is_file():

@@ -221,8 +221,9 @@ inline float int8_row(const int8_t* w, const uint8_t* wu, const QuantRow& x, int
     for (int64_t h = 0; h < 64; h += 32) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 64 + h));
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + b * 64 + h));
-      // |x| times sign(x) * w: both at most 127 in magnitude, so a pair never saturates 16 bits
-      const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+      // |w| (unsigned: -128 gives 128) times sign(w) * x (|x| <= 127): a pair sums to at most 2 * 128 * 127 < 2^15,
+      // so the 16-bit sums never saturate. (|x| times sign(x) * w would break on w = -128.)
+      const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
       d = _mm256_add_epi32(d, _mm256_madd_epi16(p, ones));
     }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(x.scale[b]), acc);
