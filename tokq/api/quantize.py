@@ -256,7 +256,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                     weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
                     run = quantize_model(lm, run_method, resolved, weight_calibration, options,
                                          on_block=lambda _i: progress.advance(task))
-                if quantize_lm_head_(lm, s.lm_head):  # after the blocks: their calibration reads the 16-bit head never
+                if quantize_lm_head_(lm, s.lm_head):  # after the blocks, whose calibration never reads the head
                     provenance["lm_head"] = {"format": s.lm_head, "method": "rtn", "scheme": "w8a16 per channel",
                                              "untied": True}
             kv = None

@@ -44,7 +44,7 @@ def compile_enabled(override: bool | None = None) -> bool:
     """Whether decode steps are compiled: the override when given, else $TOKQ_COMPILE (default on)."""
     if override is not None:
         return override
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off", "")
+    return (os.environ.get(ENV, "").strip().lower() or "1") not in ("0", "false", "no", "off")
 
 
 class active_backend:
