@@ -62,9 +62,9 @@ def test_groups_split_by_the_byte_cap(monkeypatch):
 def test_registry_selects_the_batched_kernel_by_name(monkeypatch):
     monkeypatch.delenv(registry.ENV, raising=False)
     problem = AttentionProblem("cpu", torch.bfloat16, torch.bfloat16, 9, 3, 64)
-    assert registry.choose(problem)[0].name == "cpu_paged_sdpa"  # the default: the new one is no faster in the engine
+    assert registry.choose(problem, "-cpu_native_paged")[0].name == "cpu_paged_sdpa"  # before it: no faster in the engine
     assert registry.choose(problem, "cpu_paged_batched")[0].name == "cpu_paged_batched"
-    assert registry.choose(problem, "-cpu_paged_sdpa")[0].name == "cpu_paged_batched"
+    assert registry.choose(problem, "-cpu_native_paged,-cpu_paged_sdpa")[0].name == "cpu_paged_batched"
 
 
 def test_runner_step_inputs_follow_the_block_tables(tmp_path):

@@ -321,7 +321,9 @@ def test_kernels_list_cli(tmp_path, capsys):
         "triton_w4a16", "triton_w8a8_int8", "triton_fp8", "cpu_native_int8"]
     assert rows["lm_head"]["kernel"] == "dense"
     attention = json.loads((tmp_path / "k.json").read_text())["attention"]
-    assert [(a["kernel"], a["count"]) for a in attention] == [("cpu_paged_sdpa", 3)]
+    from tokq.kernels.cpu import native
+    cpu_attention = "cpu_native_paged" if native.unavailable() is None else "cpu_paged_sdpa"
+    assert [(a["kernel"], a["count"]) for a in attention] == [(cpu_attention, 3)]
     assert "CUDA" in attention[0]["skipped"][0]["reason"] and "bf16 KV" in attention[0]["format"]
     assert main(["kernels", "list", str(out), "--device", "cpu", "--dtype", "fp32", "--json", str(tmp_path / "f.json")]) == 0
     rows = {r["layer"]: r for r in json.loads((tmp_path / "f.json").read_text())["layers"]}

@@ -119,13 +119,22 @@ for bits, group, name in ((8, 256, "cpu_native_int8"), (4, 64, "cpu_native_int4"
     want = linear_reference(x, w, None, None).float()
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < 0.02, (name, err)
+from tokq.kernels.paged import PagedAttentionMetadata, paged_attention_reference
+kc, vc = torch.randn(20, 16, 2, 40, generator=g), torch.randn(20, 16, 2, 40, generator=g)
+meta = PagedAttentionMetadata.from_lists([[3, 9, 1, 4, 7], [0, 2]], [70, 19], [1, 1])
+q = torch.randn(2, 6, 40, generator=g)
+got = torch.ops.tokq_native.paged_decode(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.2, 30)
+want = paged_attention_reference(q, kc, vc, meta, 0.2, 30)
+err = ((got - want).abs().max() / want.abs().max()).item()
+assert err < 1e-5, ("paged_decode", err)
 print(native.isa())
 """
 
 
 @pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
 def test_other_instruction_sets_match_reference(march, isa, tmp_path):
-    """The AVX2 and plain-C paths, built for those instruction sets on this CPU (CI's CPU may be any of them)."""
+    """The AVX2 and plain-C paths (GEMVs and decode attention), built for those instruction sets on this CPU (CI's
+    CPU may be any of them)."""
     import os
     import platform
     import subprocess
@@ -138,3 +147,94 @@ def test_other_instruction_sets_match_reference(march, isa, tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == isa
+
+
+# decode attention (native/attention.cpp) -----------------------------------------------------------------
+
+def _paged(seq_lens, heads, kv_heads, dim, dtype, block_size=16, seed=0, spare=3):
+    """Random caches and a decode step's metadata, each sequence's blocks scattered over the cache."""
+    from tokq.kernels.paged import PagedAttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in seq_lens]
+    blocks = sum(need) + spare
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in need:
+        tables.append(order[used: used + n])
+        used += n
+    kc = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    vc = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(len(seq_lens), heads, dim, generator=g).to(dtype)
+    return q, kc, vc, PagedAttentionMetadata.from_lists(tables, seq_lens, [1] * len(seq_lens))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype,seq_lens,heads,kv_heads,dim,window", [
+    (torch.bfloat16, [600], 9, 3, 64, None),  # SmolLM2, batch 1: several 128-key chunks merged
+    (torch.bfloat16, [1, 129, 300, 17], 9, 3, 64, None),  # one key; a chunk of exactly one key past 128
+    (torch.float16, [700, 45], 4, 1, 256, 512),  # Gemma-3 shaped with its window
+    (torch.float32, [257, 3], 14, 2, 64, 100),  # Qwen2.5 0.5B shaped, GQA 7
+    (torch.float32, [33], 2, 2, 80, None),  # no GQA, head dim not a multiple of 16
+])
+def test_native_decode_attention_matches_reference(dtype, seq_lens, heads, kv_heads, dim, window, threads):
+    from tokq.kernels.cpu.native_attention import paged_attention_native
+    from tokq.kernels.paged import paged_attention_reference
+
+    q, kc, vc, meta = _paged(seq_lens, heads, kv_heads, dim, dtype, seed=len(seq_lens) + dim)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_attention_native(q, kc, vc, meta, dim ** -0.5, window)
+    finally:
+        torch.set_num_threads(saved)
+    want = paged_attention_reference(q, kc, vc, meta, dim ** -0.5, window)
+    err = relative_error(got, want)
+    print(f"paged_decode {dtype} {seq_lens} {heads}/{kv_heads}x{dim} window {window} threads {threads}: "
+          f"relative error {err:.2e}")
+    assert got.dtype == dtype and err < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+def test_native_decode_checks_trusted_metadata_and_writes():
+    """Metadata marked trusted skips the Python checks; the op still refuses a block outside the cache, and a write
+    with one bad slot leaves the cache as it was."""
+    from tokq.kernels.cpu.native_attention import paged_attention_native, write_kv_native
+    from tokq.kernels.paged import PagedAttentionMetadata
+
+    q, kc, vc, meta = _paged([40, 9], 6, 2, 32, torch.float32)
+    bad = meta.block_tables.clone()
+    bad[1, 0] = kc.shape[0]
+    trusted = PagedAttentionMetadata(bad, meta.seq_lens, meta.query_start_loc, 1, 40, trusted=True)
+    with pytest.raises(ValueError, match=f"sequence 1 names block {kc.shape[0]}, outside the cache"):
+        paged_attention_native(q, kc, vc, trusted, 0.2)
+    long = PagedAttentionMetadata(meta.block_tables, torch.tensor([40, 9000], dtype=torch.int32),
+                                  meta.query_start_loc, 1, 9000, trusted=True)
+    with pytest.raises(ValueError, match="seq_len 9000, outside"):
+        paged_attention_native(q, kc, vc, long, 0.2)
+    before = kc.clone(), vc.clone()
+    k = torch.randn(3, 2, 32)
+    with pytest.raises(ValueError, match="slot 9999 is outside the cache"):
+        write_kv_native(k, k, kc, vc, torch.tensor([0, 9999, -1]))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_engine_greedy_output_with_native_attention(tmp_path):
+    """A small fp32 model decodes the same tokens through the native decode attention as through the torch-op
+    path, with sequences joining and leaving (continuous batching) and prefill chunks mixed with decodes."""
+    from tests.test_models_vs_hf import make_hf_checkpoint
+    from tokq.engine.checkpoint import load_model
+    from tokq.engine.llm_engine import EngineConfig, LLMEngine
+    from tokq.engine.sampling import SamplingParams
+
+    make_hf_checkpoint("llama", tmp_path)
+    model = load_model(tmp_path, dtype="fp32")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 40, 11, 23)]
+    outputs = {}
+    for kernel in ("cpu_native_paged", "cpu_paged_sdpa"):
+        engine = LLMEngine(model, EngineConfig(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=16,
+                                               block_size=4, attention_kernels=kernel, compile_decode=False))
+        assert engine.runner.kernel_names == [kernel]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+        outputs[kernel] = [o.token_ids for o in outs]
+    assert outputs["cpu_native_paged"] == outputs["cpu_paged_sdpa"]

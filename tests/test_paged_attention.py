@@ -25,7 +25,9 @@ os.environ.setdefault("TOKQ_TRITON_AUTOTUNE", "0")  # GPU: one fixed tile config
 from tokq.engine.attention import AttentionSpec, DenseCausalAttention
 from tokq.kernels import registry
 from tokq.kernels.attention import AttentionProblem
+from tokq.kernels.cpu import native
 from tokq.kernels.cpu.attention import paged_attention_cpu, write_kv_cpu
+from tokq.kernels.cpu.native_attention import paged_attention_native, write_kv_native
 from tokq.kernels.paged import (
     PagedAttentionMetadata,
     kv_scales,
@@ -195,9 +197,19 @@ MIXED = [Case((37, 20, 9), (1, 1, 1), kv_dtype=torch.float16), Case((37, 20), (1
          Case((37, 20), (13, 2), dtype=torch.float16, kv_dtype=torch.float32)]  # float caches of another dtype
 
 
+NATIVE = pytest.mark.skipif(native.unavailable() is not None, reason=f"native kernels: {native.unavailable()}")
+
+
 @pytest.mark.parametrize("case", CASES + MIXED + RANDOM_CASES, ids=str)
 def test_cpu_matches_reference(case):
     check_against_reference(paged_attention_cpu, case)
+
+
+@NATIVE
+@pytest.mark.parametrize("case", CASES + MIXED + RANDOM_CASES, ids=str)
+def test_native_matches_reference(case):
+    """Decode steps through tokq_native::paged_decode, anything else through the CPU path it falls back to."""
+    check_against_reference(paged_attention_native, case)
 
 
 @pytest.mark.parametrize("batch_decode", [False, True])
@@ -269,7 +281,7 @@ def test_triton_decode_int8_split_matches_reference():
 # --------------------------------------------------------------------------------------------------
 # KV writers against the reference writer (exact: same conversion / the same int8 codes)
 
-WRITERS = {"cpu": (write_kv_cpu, "cpu"), "triton": (write_kv_triton, TRITON_DEVICE)}
+WRITERS = {"cpu": (write_kv_cpu, "cpu"), "triton": (write_kv_triton, TRITON_DEVICE), "native": (write_kv_native, "cpu")}
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e6 -> fp16 is inf, on purpose
@@ -313,7 +325,8 @@ def test_triton_write_kv_strided_input():
 # --------------------------------------------------------------------------------------------------
 # Validation: clear errors instead of wrong answers
 
-PATHS = {"reference": paged_attention_reference, "cpu": paged_attention_cpu, "triton": paged_attention_triton}
+PATHS = {"reference": paged_attention_reference, "cpu": paged_attention_cpu, "triton": paged_attention_triton,
+         "native": paged_attention_native}
 
 
 def _batch(**changes) -> Batch:
@@ -357,7 +370,7 @@ def test_attention_rejects_bad_inputs(path, what):
         batch.run(PATHS[path])
 
 
-@pytest.mark.parametrize("path", ["reference", "cpu"])
+@pytest.mark.parametrize("path", ["reference", "cpu", pytest.param("native", marks=NATIVE)])
 def test_metadata_contents_are_validated(path):
     """Checks that read the metadata's values (the reference and CPU path pay the device sync)."""
     b = _batch()
@@ -390,9 +403,10 @@ def test_triton_rejects_what_it_cannot_run():
         b.run(paged_decode_triton)
 
 
-@pytest.mark.parametrize("writer", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("writer", ["reference", "cpu", "triton", pytest.param("native", marks=NATIVE)])
 def test_write_kv_rejects_bad_inputs(writer):
-    fn = {"reference": write_kv_reference, "cpu": write_kv_cpu, "triton": write_kv_triton}[writer]
+    fn = {"reference": write_kv_reference, "cpu": write_kv_cpu, "triton": write_kv_triton,
+          "native": write_kv_native}[writer]
     cache = torch.zeros(2, 16, 2, 64)
     k = torch.randn(3, 2, 64)
     with pytest.raises(ValueError, match="slot 32 is outside the cache"):
@@ -491,7 +505,8 @@ def attention_problem(device: str = "cpu", **changes) -> AttentionProblem:
 def test_registry_chooses_attention_kernels(monkeypatch):
     monkeypatch.delenv(registry.ENV, raising=False)
     cpu, _ = registry.choose(attention_problem())
-    assert cpu.name == "cpu_paged_sdpa"
+    assert cpu.name == ("cpu_native_paged" if native.unavailable() is None else "cpu_paged_sdpa")
+    assert registry.choose(attention_problem(kv_dtype=torch.int8))[0].name == "cpu_paged_sdpa"  # native: float KV
     verdicts = {v.name: v for v in registry.explain(attention_problem())}
     assert not verdicts["triton_paged"].usable and "CUDA" in verdicts["triton_paged"].reason
     assert registry.choose(attention_problem("cuda"))[0].name == "triton_paged"  # triton comes with the dev extra
@@ -503,10 +518,11 @@ def test_registry_chooses_attention_kernels(monkeypatch):
 def test_registry_attention_selection():
     problem = attention_problem()
     assert registry.choose(problem, "paged_reference")[0].name == "paged_reference"
-    assert registry.choose(problem, "-cpu_paged_sdpa,-cpu_paged_batched")[0].name == "paged_reference"
-    assert registry.choose(problem, "cpu_int4")[0].name == "cpu_paged_sdpa"  # forcing a linear kernel leaves attention
+    assert registry.choose(problem, "-cpu_native_paged,-cpu_paged_sdpa,-cpu_paged_batched")[0].name == "paged_reference"
+    assert registry.choose(problem, "-cpu_native_paged")[0].name == "cpu_paged_sdpa"
+    assert registry.choose(problem, "cpu_int4")[0].name == registry.choose(problem)[0].name  # attention unchanged
     with pytest.raises(registry.KernelError, match="triton_paged: Triton kernels run on CUDA.*kernels that can: "
-                                                   "cpu_paged_sdpa, cpu_paged_batched, paged_reference"):
+                                                   "(cpu_native_paged, )?cpu_paged_sdpa, cpu_paged_batched, paged_reference"):
         registry.choose(problem, "triton_paged")
     with pytest.raises(registry.KernelError, match="not a multiple of 4 KV heads"):
         registry.choose(attention_problem(num_heads=6, num_kv_heads=4))
@@ -515,9 +531,12 @@ def test_registry_attention_selection():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=NAME.get)
-@pytest.mark.parametrize("forced", ["cpu_paged_sdpa", "cpu_paged_batched", "paged_reference"])
+@pytest.mark.parametrize("forced", ["cpu_paged_sdpa", "cpu_paged_batched", "paged_reference",
+                                    pytest.param("cpu_native_paged", marks=NATIVE)])
 def test_prepared_attention_writes_and_reads_one_cache(forced, kv_dtype):
     """The chosen kernel's KV write and attention call, end to end against the reference on fresh inputs."""
+    if forced == "cpu_native_paged" and kv_dtype == torch.int8:
+        pytest.skip("the native kernel takes float caches only (the registry does not offer it for int8)")
     layout = random_paged_layout([37, 5, 64], [37, 1, 3], 16, num_kv_heads=2, head_dim=32, kv_dtype=kv_dtype,
                                  seed=11)
     problem = attention_problem(kv_dtype=kv_dtype, sliding_window=24)

@@ -7,6 +7,9 @@ the cache it writes is the cache it reads:
 
 - `triton_paged` (CUDA): write_kv_triton + paged_attention_triton (flash-decoding splits for decode,
   a chunked-prefill kernel otherwise);
+- `cpu_native_paged` (CPU, where tokq's native kernels build, cache in the queries' dtype): write_kv_native +
+  paged_attention_native (decode steps through native/attention.cpp, keys read in place; anything else through
+  paged_attention_cpu);
 - `cpu_paged_sdpa` (CPU): write_kv_cpu + paged_attention_cpu (gather, then SDPA);
 - `cpu_paged_batched` (CPU, only when TOKQ_KERNELS asks for it: cpu_paged_sdpa takes every CPU problem
   first): write_kv_cpu + paged_attention_cpu_batched (decode plan from the metadata tensors, gathers into
@@ -27,6 +30,7 @@ from tokq.dtypes import FLOAT_DTYPES, dtype_name
 
 from .cpu.attention import paged_attention_cpu, write_kv_cpu
 from .cpu.batched import paged_attention_cpu_batched
+from .cpu.native_attention import native_paged_supports, paged_attention_native, write_kv_native
 from .paged import (
     KV_DTYPES,
     paged_attention_reference,
@@ -114,6 +118,10 @@ def _cpu_supports(p: AttentionProblem) -> tuple[bool, str]:
     return True, "gathers each sequence's visible K/V, then scaled_dot_product_attention (native GQA)"
 
 
+def _cpu_native_supports(p: AttentionProblem) -> tuple[bool, str]:
+    return native_paged_supports(p.device, p.dtype, p.kv_dtype)
+
+
 def _cpu_batched_supports(p: AttentionProblem) -> tuple[bool, str]:
     if p.device != "cpu":
         return False, f"runs on CPU tensors (the layer is on {p.device})"
@@ -128,6 +136,8 @@ ATTENTION_KERNELS: list[AttentionCandidate] = [
     AttentionCandidate("triton_paged", _triton_supports, TritonFunction("paged_attention", "write_kv_triton"),
                        TritonFunction("paged_attention", "paged_attention_triton"),
                        "paged attention in Triton: KV write, split-K decode + merge, chunked prefill; int8/fp8 KV"),
+    AttentionCandidate("cpu_native_paged", _cpu_native_supports, write_kv_native, paged_attention_native,
+                       "paged attention on CPU: native decode (keys in place, split-K, fp32 softmax), SDPA prefill"),
     AttentionCandidate("cpu_paged_sdpa", _cpu_supports, write_kv_cpu, paged_attention_cpu,
                        "paged attention on CPU: index_copy_ KV write, gather + SDPA (batched decode)"),
     AttentionCandidate("cpu_paged_batched", _cpu_batched_supports, write_kv_cpu, paged_attention_cpu_batched,

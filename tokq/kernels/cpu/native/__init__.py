@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp")]
 ENV = "TOKQ_NATIVE"
 _lock = threading.Lock()
 _state: dict = {}
@@ -68,7 +68,7 @@ def _build(compiler: str, out: Path) -> None:
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [compiler, "-O3", f"-march={_march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
-           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(out),
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(out),
            f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -80,12 +80,12 @@ def _load() -> str | None:
     """Build (if needed) and load the library; returns why it is unavailable, None when loaded."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return f"turned off by {ENV}=0"
-    if not hasattr(torch.ops, "tokq_native") or not hasattr(torch.ops.tokq_native, "int4_gemv"):
+    if not hasattr(torch.ops, "tokq_native") or not hasattr(torch.ops.tokq_native, "paged_decode"):
         compiler = _compiler()
         if compiler is None:
             return "no C++ compiler found ($CXX, g++, c++ or clang++) to build tokq's native kernels"
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-        key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *version, _cpu_flags(),
+        key = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES), torch.__version__, *version, _cpu_flags(),
                                          _march()]).encode())
         folder = _home() / "native" / key.hexdigest()[:16]
         library = folder / "libtokq_native.so"
@@ -138,6 +138,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tokq_native::int8_gemv")
     def _int8(x, q, qu, scale):
         return x.new_empty((x.shape[0], q.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("tokq_native::paged_decode")
+    def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("tokq_native::paged_write")
+    def _write(k, v, k_cache, v_cache, slots):
+        return None
 
     _fakes_done = True
 
