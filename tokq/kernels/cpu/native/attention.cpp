@@ -159,6 +159,18 @@ inline float exp_shifted_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
+// The caches are read from memory, not cache, in a decode step (the weights streamed between layers evict them):
+// 460 KB a layer for SmolLM2 at 600 keys took 137 us read that way against 78 us from L3. The hardware prefetcher
+// stops at 4 KB pages and a key's slot is 384 bytes; asking for the slot PREFETCH_KEYS keys ahead keeps several
+// misses in flight.
+constexpr int64_t PREFETCH_KEYS = 8;
+
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 struct Chunk {
   int64_t seq, lo, hi;  // keys [lo, hi) of sequence `seq`
 };
@@ -198,6 +210,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         offsets[i] = (static_cast<int64_t>(tables[c.seq * width + pos / BS]) * BS + pos % BS) * slot;
       }
       for (int64_t i = 0; i < n; ++i) {
+        if (i + PREFETCH_KEYS < n) prefetch(kp + offsets[i + PREFETCH_KEYS], slot);
         load_float(kp + offsets[i], row.data(), slot);
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t g = 0; g < G; ++g)
@@ -216,6 +229,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       for (int64_t i0 = 0; i0 < n; i0 += 4) {
         const int64_t keys = std::min<int64_t>(4, n - i0);
         for (int64_t j = 0; j < 4; ++j) {
+          if (i0 + j + PREFETCH_KEYS < n) prefetch(vp + offsets[i0 + j + PREFETCH_KEYS], slot);
           if (j < keys) load_float(vp + offsets[i0 + j], rows.data() + j * slot, slot);
           else std::fill(rows.begin() + j * slot, rows.begin() + (j + 1) * slot, 0.f);
         }
