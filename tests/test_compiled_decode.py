@@ -17,6 +17,7 @@ from tokq.engine import compiled_decode
 from tokq.engine.checkpoint import load_model
 from tokq.engine.llm_engine import EngineConfig, LLMEngine
 from tokq.engine.sampling import SamplingParams
+from tokq.kernels.cpu import native
 
 VOCAB = BASE["vocab_size"]
 
@@ -33,17 +34,26 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def engine(model, compiled: bool) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=128, compile_decode=compiled))
+def engine(model, compiled: bool, attention: str | None = None) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=128, compile_decode=compiled,
+                                         attention_kernels=attention))
 
 
-def test_compiled_greedy_equals_eager(model):
+@pytest.mark.parametrize("attention", [
+    # the graph calls tokq_native::paged_decode_step itself (NativeGraphAttention), where the native kernels build
+    pytest.param("cpu_native_paged", marks=pytest.mark.skipif(native.unavailable() is not None,
+                                                              reason="native kernels unavailable")),
+    "cpu_paged_sdpa",  # the graph calls tokq::paged_attend, which runs the engine's own backend
+])
+def test_compiled_greedy_equals_eager(model, attention):
     batch = prompts([5, 23, 40, 17])
     # different lengths: the decode batch shrinks 4 -> 1 as requests finish
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 9, 14, 20)]
-    eager = engine(model, False).generate(batch, params)
+    eager = engine(model, False, attention).generate(batch, params)
     before = compiled_decode.compiled_steps
-    compiled = engine(model, True).generate(batch, params)
+    compiled_engine = engine(model, True, attention)
+    assert (compiled_engine.runner.graph_attention is not None) == (attention == "cpu_native_paged")
+    compiled = compiled_engine.generate(batch, params)
     assert compiled_decode.compiled_steps - before >= 19, "decode steps did not run through the compiled graph"
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert getattr(model, "_tokq_compile_failed", None) is None, "the compiled path fell back to eager"

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from tokq.engine.attention import AttentionSpec
-from tokq.engine.compiled_decode import MAX_COMPILED_BATCH, compile_enabled, model_fingerprint, run_compiled
+from tokq.engine.compiled_decode import (
+    MAX_COMPILED_BATCH,
+    NativeGraphAttention,
+    compile_enabled,
+    model_fingerprint,
+    run_compiled,
+)
 from tokq.engine.kv_cache import KVCacheSpec, LayerGroup
 from tokq.engine.models import CausalLM
 from tokq.engine.scheduler import ScheduledStep
@@ -96,6 +102,9 @@ class ModelRunner:
         if kv_scales is not None and len(kv_scales) != config.num_layers:
             raise ValueError(f"{len(kv_scales)} layers of KV scales for a {config.num_layers}-layer model")
         self.backend = PagedAttention(caches, self.kernels, kv_scales, group_of)
+        # every layer on the native decode kernel: compiled steps call it straight from the graph (no Python per layer)
+        self.graph_attention = (NativeGraphAttention(caches, group_of)
+                                if all(k.name == "cpu_native_paged" for k in self.kernels) else None)
         # each group's pool size, read off its first layer's cache (for the metadata's bounds check)
         self.group_blocks = [caches[group.layers[0]][0].shape[0] for group in self.groups]
 
@@ -155,8 +164,10 @@ class ModelRunner:
             hidden = None
             decode = all(n == 1 for n in step.num_tokens) and len(step.num_tokens) <= MAX_COMPILED_BATCH
             if self.compile_decode and decode:
+                if self.graph_attention is not None:
+                    self.graph_attention.set_step(inputs.slot_mappings, inputs.metas)
                 hidden = run_compiled(self.model, self.backend, inputs.input_ids, inputs.positions,
-                                      self.fingerprint)
+                                      self.fingerprint, self.graph_attention)
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, backend=self.backend)
         finally:

@@ -12,8 +12,10 @@ compiler's version and the CPU's flags, so another machine or torch builds its o
 10 s on 2 cores, once. Without a compiler, or when the build fails, `unavailable()` says why and the registry
 picks torch's ops instead. `TOKQ_NATIVE=0` turns the kernels off.
 
-Registered ops (their shapes in gemv.cpp): `int4_gemv(x, packed, scale, zero, group)`, `int8_gemv(x, q, qu, scale)`,
-`isa()`. Fake implementations are registered here so that torch.compile can trace through them.
+Registered ops: in gemv.cpp `int4_gemv(x, packed, scale, zero, group)`, `int8_gemv(x, q, qu, scale)`, `isa()`; in
+attention.cpp (paged decode attention) `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+scale, window)`, `paged_write(k, v, k_cache, v_cache, slots)` and `paged_decode_step` (the two in one call, for the
+compiled decode graph). Fake implementations are registered here so that torch.compile can trace through them.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def _load() -> str | None:
     """Build (if needed) and load the library; returns why it is unavailable, None when loaded."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return f"turned off by {ENV}=0"
-    if not hasattr(torch.ops, "tokq_native") or not hasattr(torch.ops.tokq_native, "paged_decode"):
+    if not hasattr(torch.ops, "tokq_native") or not hasattr(torch.ops.tokq_native, "paged_decode_step"):
         compiler = _compiler()
         if compiler is None:
             return "no C++ compiler found ($CXX, g++, c++ or clang++) to build tokq's native kernels"
@@ -142,6 +144,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tokq_native::paged_decode")
     def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window):
         return torch.empty_like(q)
+
+    @torch.library.register_fake("tokq_native::paged_decode_step")
+    def _decode_step(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, query_start_loc, scale, window):
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     @torch.library.register_fake("tokq_native::paged_write")
     def _write(k, v, k_cache, v_cache, slots):

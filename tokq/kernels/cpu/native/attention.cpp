@@ -362,7 +362,21 @@ void paged_write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, 
   }
 }
 
+// One decode step of one layer: the new keys/values written (paged_write), then the attention (paged_decode). The
+// op a compiled decode step calls straight from its graph (engine/compiled_decode.py), so that a layer's attention
+// costs no Python. Its schema declares no mutation, like tokq::paged_attend's: the caches are read by nothing in
+// the graph but these ops, and each layer's call depends on the layer before.
+at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                             at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                             int64_t window) {
+  paged_write(k, v, k_cache, v_cache, slots);
+  return paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window);
+}
+
 TORCH_LIBRARY_FRAGMENT(tokq_native, m) {
+  m.def("paged_decode_step(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slots, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int window) -> Tensor");
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, int window) -> Tensor");
   m.def("paged_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
@@ -371,4 +385,5 @@ TORCH_LIBRARY_FRAGMENT(tokq_native, m) {
 TORCH_LIBRARY_IMPL(tokq_native, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("paged_write", &paged_write);
+  m.impl("paged_decode_step", &paged_decode_step);
 }
