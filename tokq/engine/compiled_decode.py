@@ -20,7 +20,8 @@ step through `tokq::paged_attend` with SDPA, against 1.27x for the same native k
 
 Only pure decode steps run compiled (prefill chunks have other shapes and stay eager); the first batch size
 compiles a static graph and the next a dynamic one for the rest, so a server compiles at most twice per model
-(tens of seconds each on 2 cores; inductor's on-disk cache shortens a later process's compile). When the
+(95 s for both of SmolLM2's on a 2-core Xeon, 13 s from inductor's on-disk cache in a later process).
+Inductor's C++ wrapper (`cpp_wrapper`) was measured and left off: 1.03-1.06x a step, but 227 s to compile both. When the
 compiler is missing or fails, the engine logs why once and runs that model eagerly.
 
 `TOKQ_COMPILE=0` turns compilation off (the test suite does, except the tests of this path); an
@@ -169,7 +170,7 @@ def compiled_forward(model: torch.nn.Module, fingerprint: tuple | None = None) -
     # isolate_recompiles: this model's graphs are its own. Dynamo caches per code object (CausalLM.forward), and
     # without guards on the module a second model would otherwise run the first one's graph.
     fn = torch.compile(model.forward, dynamic=None, isolate_recompiles=True,
-                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, **({"cpp_wrapper": True} if os.environ.get("TOKQ_CPP_WRAPPER") else {})})
+                       options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     object.__setattr__(model, _COMPILED_ATTR, (fingerprint, fn))  # not a submodule or parameter: not in state_dict
     return fn
 
