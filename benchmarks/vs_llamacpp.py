@@ -1,7 +1,8 @@
 """tokq against llama.cpp, batch-1 decode on this CPU, one run, interleaved: the side-by-side users would make.
 
     python benchmarks/vs_llamacpp.py [--llama-python /work/peer-llama/bin/python] [--threads 1,2] [--repeats 3]
-                                     [--prompt 512] [--new 128] [--model smollm2-135m] [--quick] [--out PATH]
+                                     [--prompt 512] [--new 128] [--batch 16] [--model smollm2-135m] [--quick]
+                                     [--out PATH]
 
 The peer is llama-cpp-python in its own venv outside the repository (`bash benchmarks/peer_llama_venv.sh`
 builds it with flags that run on both CPUs this project meets); it is never a dependency of tokq. Both sides
@@ -14,11 +15,16 @@ Sides:
 - llama.cpp: the GGUF the zoo base was converted from (SmolLM2: Q4_1) and an F16 GGUF requantized from it by
   llama.cpp itself (`llama_model_quantize`, F16: the same weights as tokq's 16-bit base, which is that GGUF
   dequantized).
-- tokq, "before": the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python; the
-  16-bit tied LM head); "after": pure decode steps compiled, and for int4 the int8 LM head
+- tokq, "before": the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python; attention
+  through SDPA, `cpu_paged_sdpa`; the 16-bit tied LM head); "after": pure decode steps compiled, attention through
+  tokq's native decode kernel called from the graph, and for int4 the int8 LM head
   (quantization/lm_head.py, run by the native int8 GEMV); "int4native": the decoder's int4 layers forced onto the
   native int4 GEMV too. int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an AWQ or GPTQ
   g64 build (their rounding differs, their speed does not).
+- Batched (`--batch`, default 16): that many distinct prompts (windows 256 tokens apart, so no shared prefix) decoded
+  together at the largest thread count, aggregate decode tok/s timed once every prefill is done: tokq through its
+  engine (continuous batching, compiled steps), llama.cpp through its batch API (one sequence id per prompt, one
+  llama_decode per step; LLAMA_BATCH_RUNNER).
 - tokq against itself, step-alternated: the int4 configurations' decode steps alternating one by one (far
   steadier ratios than whole runs on a noisy machine).
 
@@ -58,23 +64,74 @@ import llama_cpp
 from llama_cpp import Llama
 args = json.loads(sys.argv[1])
 llm = Llama(model_path=args["gguf"], n_ctx=args["n_ctx"], n_threads=args["threads"], n_threads_batch=args["threads"],
-            n_batch=args["n_ctx"], verbose=False, logits_all=False)  # scores keeps n_batch rows
+            n_batch=args["n_ctx"], verbose=False, logits_all=False)
 prompt = args["prompt"]
 out = []
 t0 = time.perf_counter()
+n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llm.model))
+
+def greedy():  # the last token's logits (llm.scores stays empty without logits_all in 0.3.x)
+    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
+
 llm.eval(prompt)
 t1 = time.perf_counter()
-tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+tok = greedy()
 out.append(tok)
 times = []
 for _ in range(args["new"] - 1):
     s = time.perf_counter()
     llm.eval([tok])
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = greedy()
     times.append(time.perf_counter() - s)
     out.append(tok)
 print(json.dumps({"prefill_s": t1 - t0, "decode_s": sum(times), "steps": len(times), "tokens": out,
                   "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}))
+'''
+
+# Several sequences decoded together through llama.cpp's batch API: each prompt prefilled as its own sequence, then
+# one llama_decode per step with one token per sequence; greedy from each sequence's logits row.
+LLAMA_BATCH_RUNNER = r'''
+import json, sys, time
+import numpy as np
+import llama_cpp as lc
+args = json.loads(sys.argv[1])
+prompts, new, n_seq = args["prompts"], args["new"], len(args["prompts"])
+lc.llama_backend_init()
+model = lc.llama_model_load_from_file(args["gguf"].encode(), lc.llama_model_default_params())
+cp = lc.llama_context_default_params()
+cp.n_ctx = n_seq * (max(map(len, prompts)) + new + 8)
+cp.n_batch = cp.n_ubatch = max(max(map(len, prompts)), n_seq)
+cp.n_seq_max = n_seq
+cp.n_threads = cp.n_threads_batch = args["threads"]
+ctx = lc.llama_init_from_model(model, cp)
+n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+batch = lc.llama_batch_init(cp.n_batch, 0, 1)
+
+def run(entries):  # [(token, pos, seq, wants_logits)]
+    batch.n_tokens = len(entries)
+    for i, (tok, pos, seq, out) in enumerate(entries):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, out
+        batch.seq_id[i][0] = seq
+    if lc.llama_decode(ctx, batch) != 0:
+        raise SystemExit("llama_decode failed")
+
+def greedy(i):
+    return int(np.argmax(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+
+last, first_seq = [], []
+for s, prompt in enumerate(prompts):
+    run([(t, p, s, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+    last.append(greedy(len(prompt) - 1))
+pos = [len(p) for p in prompts]
+started = time.perf_counter()
+for _ in range(new - 1):
+    run([(last[s], pos[s], s, True) for s in range(n_seq)])
+    first_seq.append(last[0])
+    last = [greedy(s) for s in range(n_seq)]
+    pos = [q + 1 for q in pos]
+elapsed = time.perf_counter() - started
+print(json.dumps({"decode_s": elapsed, "steps": new - 1, "tok_s": n_seq * (new - 1) / elapsed,
+                  "tokens": first_seq + last[:1]}))
 '''
 
 LLAMA_QUANTIZE = r'''
@@ -154,7 +211,8 @@ def step_alternated(models: dict, configs: list[tuple[str, bool]], prompt: list[
     engines = {}
     for name, compiled in configs:
         engine = LLMEngine(models[name], EngineConfig(max_model_len=len(prompt) + steps + 8, max_num_seqs=1,
-                                                      compile_decode=compiled))
+                                                      compile_decode=compiled,
+                                                      attention_kernels=None if compiled else "cpu_paged_sdpa"))
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
         engine.step()  # prefill
         engine.step()
@@ -184,13 +242,46 @@ def tokq_decode(model, prompt: list[int], new: int, threads: int, compiled: bool
     from tokq.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
+    # eager = "before" issue 33: no compiled step, and attention through SDPA rather than the native decode kernel
     engine = LLMEngine(model, EngineConfig(max_model_len=len(prompt) + new, max_num_seqs=1,
-                                           compile_decode=compiled))
+                                           compile_decode=compiled,
+                                           attention_kernels=None if compiled else "cpu_paged_sdpa"))
     before = compiled_decode.compiled_steps
     out = engine.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True))[0]
     if compiled and compiled_decode.compiled_steps - before < new - 1:
         raise RuntimeError("the compiled decode path did not run (see the log)")
     return {"tok_s": 1.0 / out.metrics.tpot_s, "tokens": out.token_ids}
+
+
+def tokq_decode_batch(model, prompts: list[list[int]], new: int, threads: int) -> dict:
+    """Aggregate decode tok/s of len(prompts) sequences decoded together (compiled steps, warmed up first): timed
+    from the first step in which every sequence decodes (all prefills done) to the end."""
+    from tokq.engine.llm_engine import EngineConfig, LLMEngine
+    from tokq.engine.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine(model, EngineConfig(max_model_len=max(map(len, prompts)) + new + 8,
+                                           max_num_seqs=len(prompts)))
+    engine.warm_up()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
+    seqs = [engine._seqs[i] for i in ids]
+    while any(len(s) == s.num_prompt_tokens for s in seqs):
+        engine.step()
+    made = sum(len(s) for s in seqs)
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    elapsed = time.perf_counter() - started
+    return {"tok_s": (sum(len(s) for s in seqs) - made) / elapsed, "sequences": len(prompts)}
+
+
+def llama_decode_batch(python: str, gguf: Path, prompts: list[list[int]], new: int, threads: int) -> dict:
+    args = {"gguf": str(gguf), "prompts": prompts, "new": new, "threads": threads}
+    proc = subprocess.run([python, "-c", LLAMA_BATCH_RUNNER, json.dumps(args)], capture_output=True, text=True,
+                          timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp batched run failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def warm_compiled(models: dict, prompt: list[int], threads: list[int]) -> dict:
@@ -294,6 +385,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--kl-windows", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="sequences decoded together in the batched runs (0: none)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens, 4 KL windows: a smoke run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -316,6 +408,7 @@ def main() -> None:
     ggufs = llama_ggufs(args.llama_python, locate_gguf(ZOO[args.model], scratch), scratch)
 
     compile_seconds = warm_compiled(models, prompt, threads)
+    int4_peer = "Q4_1" if "Q4_1" in ggufs else "source"
     configs = ([("tokq", name, compiled) for name in models for compiled in (False, True)
                 if compiled or name in ("bf16", "int4")]
                + [("llama.cpp", name, None) for name in ggufs])
@@ -335,6 +428,22 @@ def main() -> None:
                 runs.setdefault(key, []).append(r["tok_s"])
                 tokens.setdefault(key, r["tokens"])
                 print(f"[{repeat + 1}/{args.repeats}] {key}: {r['tok_s']:.1f} tok/s", flush=True)
+    batched: dict[str, list[float]] = {}
+    if args.batch:
+        # distinct prompts (windows 256 tokens apart: no shared prefix for tokq's prefix cache to reuse), at the
+        # largest thread count, each configuration once per repeat in turn
+        ids = tokenizer.encode(PROMPT_SOURCE.read_text(encoding="utf-8"))
+        step = max(1, min(256, (len(ids) - args.prompt) // max(1, args.batch - 1)))
+        prompts = [ids[i * step: i * step + args.prompt] for i in range(args.batch)]
+        t = max(threads)
+        for repeat in range(args.repeats):
+            for side, name in (("tokq", "int4+int8head"), ("tokq", "bf16"), ("tokq", "int4"),
+                               ("llama.cpp", int4_peer), ("llama.cpp", "F16")):
+                key = f"{side} {name} x{args.batch} @{t}t"
+                r = (tokq_decode_batch(models[name], prompts, args.new, t) if side == "tokq"
+                     else llama_decode_batch(args.llama_python, ggufs[name], prompts, args.new, t))
+                batched.setdefault(key, []).append(r["tok_s"])
+                print(f"[{repeat + 1}/{args.repeats}] {key}: {r['tok_s']:.1f} tok/s aggregate", flush=True)
     bandwidth = copy_bandwidth()
     context = len(prompt) + args.new / 2
     weights = {name: weight_bytes_per_step(m) + m.config.hidden_size * 2 for name, m in models.items()}
@@ -349,7 +458,6 @@ def main() -> None:
         table[key] = {**summary(values), "bytes_per_token": nbytes,
                       "roofline_fraction": med * nbytes / (bandwidth["gbps_median"] * 1e9)}
     ratios = {}
-    int4_peer = "Q4_1" if "Q4_1" in ggufs else "source"
     for t in threads:
         for mine, peer in ((f"tokq int4 eager @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq int4 compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
@@ -362,6 +470,13 @@ def main() -> None:
         scale = [a / b for a, b in zip(runs[f"tokq int4+int8head compiled @{t}t"], runs[f"tokq int4 eager @{t}t"],
                                        strict=True)]
         ratios[f"after / before (int4) @{t}t"] = summary(scale)
+    if batched:
+        t, b = max(threads), args.batch
+        for mine, other in ((f"tokq int4+int8head x{b} @{t}t", f"llama.cpp {int4_peer} x{b} @{t}t"),
+                            (f"tokq bf16 x{b} @{t}t", f"llama.cpp F16 x{b} @{t}t"),
+                            (f"tokq int4+int8head x{b} @{t}t", f"tokq bf16 x{b} @{t}t"),
+                            (f"tokq int4 x{b} @{t}t", f"tokq bf16 x{b} @{t}t")):
+            ratios[f"{mine} / {other}"] = summary([a / c for a, c in zip(batched[mine], batched[other], strict=True)])
     if len(threads) > 1:
         lo, hi = min(threads), max(threads)
         for key in {k.rsplit(" @", 1)[0] for k in runs}:
@@ -394,12 +509,14 @@ def main() -> None:
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "prompt_tokens": len(prompt), "new_tokens": args.new, "repeats": args.repeats, "threads": threads,
         "copy_bandwidth": bandwidth, "compile_seconds_first_call": compile_seconds,
-        "decode_tok_s": table, "ratios": ratios, "lm_head_kl": kl,
+        "decode_tok_s": table, "batched_decode_tok_s": {k: summary(v) for k, v in batched.items()},
+        "batch_sequences": args.batch, "ratios": ratios, "lm_head_kl": kl,
         "tokq_step_alternated": {f"{t}t": v for t, v in alternated.items()},
         "kernels": {name: kernel_names(m) for name, m in models.items()},
         "greedy_tokens_equal_prefix": {
             "int4 compiled vs eager": agree(f"tokq int4 compiled @{t0}t", f"tokq int4 eager @{t0}t"),
             "bf16 compiled vs eager": agree(f"tokq bf16 compiled @{t0}t", f"tokq bf16 eager @{t0}t"),
+            "tokq bf16 compiled vs llama.cpp F16": agree(f"tokq bf16 compiled @{t0}t", f"llama.cpp F16 @{t0}t"),
             "of": args.new},
         "ggufs": {k: v.name for k, v in ggufs.items()},
         "notes": "int4 = RTN w4a16 g64 in memory (same kernel and bytes as AWQ/GPTQ g64). Decode tok/s excludes "
