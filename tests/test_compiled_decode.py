@@ -107,3 +107,23 @@ def test_model_changed_after_compiling_gets_a_new_graph(tmp_path):
     expected = [o.token_ids for o in engine(fresh, False).generate(batch, params)]
     got = [o.token_ids for o in engine(fresh, True).generate(batch, params)]
     assert got == expected
+
+
+@pytest.mark.skipif(native.unavailable() is not None, reason="native kernels unavailable")
+def test_engines_with_other_pool_sizes_share_the_native_graph(tmp_path):
+    """The native graph takes the caches as inputs: a second engine with a pool of another size, and sequences whose
+    block tables grow past the first ones' width, reuse the compiled graph instead of compiling again."""
+    from torch._dynamo.utils import counters
+
+    make_hf_checkpoint("llama", tmp_path)
+    model = load_model(tmp_path)
+    one = SamplingParams(max_tokens=6, ignore_eos=True)
+    LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=128, compile_decode=True)).generate(prompts([5]), one)
+    graphs = counters["stats"]["unique_graphs"]
+    other = LLMEngine(model, EngineConfig(kv_memory=3 << 19, max_model_len=96, compile_decode=True))
+    assert other.runner.graph_attention is not None
+    assert other.caches[0][0].shape[0] != 0
+    before = compiled_decode.compiled_steps
+    other.generate(prompts([70], seed=5), SamplingParams(max_tokens=20, ignore_eos=True))
+    assert compiled_decode.compiled_steps - before >= 19
+    assert counters["stats"]["unique_graphs"] == graphs, "a new pool size or block-table width recompiled the step"

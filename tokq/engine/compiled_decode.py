@@ -108,12 +108,17 @@ class NativeGraphAttention:
     this object, which dynamo lifts). No Python runs per layer: through `tokq::paged_attend` it was ~45 us a layer
     (1.4 ms of a 14 ms SmolLM2 step at 2 threads).
 
-    One per runner; `set_step` points it at a step's tensors. The block tables' width grows with the sequences, so
-    it is marked dynamic (a new width would otherwise recompile) and kept >= 2 (dynamo specializes sizes 0 and 1)."""
+    One per runner; `set_step` points it at a step's tensors. The block tables' width grows with the sequences and
+    the caches' number of blocks differs between engines, so both are marked dynamic (either would otherwise
+    recompile: an engine with another pool size once cost a 7 s compile inside a benchmark) and the width is kept
+    >= 2 (dynamo specializes sizes 0 and 1)."""
 
     name = "compiled-native-paged"
 
     def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], group_of: list[int]) -> None:
+        for pair in caches:  # pools differ in size between engines: one graph serves them all
+            for cache in pair:
+                torch._dynamo.maybe_mark_dynamic(cache, 0)
         self.caches = caches
         self.group_of = tuple(group_of)
         self.slots: list[torch.Tensor] = []
