@@ -149,6 +149,8 @@ def _speculative_row(name, model, draft, compute, device, workload, prompts, eng
     draft_model = load_model(resolve_model(draft), dtype=compute, device=device)
     target = LLMEngine(model, EngineConfig(max_model_len=max_len, **engine_kwargs))
     drafter = LLMEngine(draft_model, EngineConfig(max_model_len=max_len, **engine_kwargs))
+    for engine in (target, drafter):  # compile the draft's decode graphs before the timed run, as the baseline's were
+        engine.warm_up()
     decoder = SpeculativeDecoder(target, drafter, k)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lengths()]
     decoder.generate(prompts, params)
