@@ -127,6 +127,11 @@ got = torch.ops.tokq_native.paged_decode(q, kc, vc, meta.block_tables, meta.seq_
 want = paged_attention_reference(q, kc, vc, meta, 0.2, 30)
 err = ((got - want).abs().max() / want.abs().max()).item()
 assert err < 1e-5, ("paged_decode", err)
+for m, n, k in ((1, 37, 100), (2, 64, 576)):  # a K and an N the vector loops do not divide
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    want = x.float() @ w.float().t()
+    err = ((torch.ops.tokq_native.bf16_gemv(x, w).float() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-2, ("bf16_gemv", m, n, k, err)
 print(native.isa())
 """
 
@@ -238,3 +243,44 @@ def test_engine_greedy_output_with_native_attention(tmp_path):
         outs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
         outputs[kernel] = [o.token_ids for o in outs]
     assert outputs["cpu_native_paged"] == outputs["cpu_paged_sdpa"]
+
+
+# dense bf16 GEMV (gemv.cpp bf16_gemv, DenseLinearMethod) --------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (2, 49152 // 16, 576), (1, 37, 100), (2, 6, 33), (3, 64, 128),
+                                   (17, 96, 64)])
+def test_native_bf16_gemv_matches_fp32(m, n, k):
+    """One and two rows through the native loop (N and K that the 4-row and 32-wide steps do not divide
+    included), more through at::linear inside the same op."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    got = torch.ops.tokq_native.bf16_gemv(x, w)
+    want = x.float() @ w.float().t()
+    err = relative_error(got, want)
+    print(f"bf16_gemv M={m} N={n} K={k}: relative error {err:.2e} against fp32")
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n) and err < 1e-2
+
+
+def test_dense_linear_uses_the_native_gemv_and_matches_f_linear(monkeypatch):
+    import torch.nn.functional as F
+
+    from tokq.engine.layers import DenseLinearMethod, Linear, use_native_gemv
+
+    layer = Linear(96, [("a", 40), ("b", 24)], bias=True).bfloat16()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(64, 96, generator=g))
+        layer.bias.copy_(torch.randn(64, generator=g))
+    calls = []
+    real = torch.ops.tokq_native.bf16_gemv
+    monkeypatch.setattr(DenseLinearMethod, "native_gemv", False)
+    assert use_native_gemv() and DenseLinearMethod.native_gemv
+    monkeypatch.setattr(torch.ops.tokq_native, "bf16_gemv", lambda x, w: calls.append(x.shape) or real(x, w))
+    for shape in ((1, 1, 96), (2, 96), (1, 5, 96)):
+        x = torch.randn(*shape, generator=g).bfloat16()
+        err = relative_error(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert err < 1e-2, (shape, err)
+    assert calls == [(1, 96), (2, 96), (5, 96)]
+    monkeypatch.setenv("TOKQ_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert not use_native_gemv()

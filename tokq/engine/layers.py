@@ -26,10 +26,28 @@ class LinearMethod(Protocol):
 
 
 class DenseLinearMethod:
+    """F.linear; bf16 on CPU through tokq's native GEMV (`tokq_native::bf16_gemv`, which itself hands more than two
+    rows to torch's GEMM) once `use_native_gemv` has switched it on. torch's bf16 GEMV is compute-bound at decode
+    shapes: the native one reads SmolLM2's weights 1.3-2.4x faster at one row (kernels/cpu/native/gemv.cpp)."""
+
     name = "dense"
+    native_gemv = False  # set by use_native_gemv (ModelRunner on CPU); a constant to the compiled graph
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        w = layer.weight
+        if self.native_gemv and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu":
+            y = torch.ops.tokq_native.bf16_gemv(x.reshape(-1, w.shape[1]), w).view(*x.shape[:-1], w.shape[0])
+            return y if layer.bias is None else y + layer.bias
+        return F.linear(x, w, layer.bias)
+
+
+def use_native_gemv() -> bool:
+    """Run dense bf16 layers on CPU through tokq's native GEMV where its kernels build (TOKQ_NATIVE=0: never).
+    Returns whether it is on."""
+    from tokq.kernels.cpu import native
+
+    DenseLinearMethod.native_gemv = native.unavailable() is None
+    return DenseLinearMethod.native_gemv
 
 
 DENSE = DenseLinearMethod()

@@ -25,6 +25,7 @@ from tokq.engine.compiled_decode import (
     run_compiled,
 )
 from tokq.engine.kv_cache import KVCacheSpec, LayerGroup
+from tokq.engine.layers import use_native_gemv
 from tokq.engine.models import CausalLM
 from tokq.engine.scheduler import ScheduledStep
 from tokq.kernels.attention import AttentionProblem, PreparedAttention
@@ -91,6 +92,8 @@ class ModelRunner:
         if -1 in group_of:
             raise ValueError(f"layer {group_of.index(-1)} is in no KV pool's group")
         self.device = model.device
+        if self.device.type == "cpu":
+            use_native_gemv()
         self.compile_decode = compile_enabled(compile_decode)
         self.fingerprint = model_fingerprint(model) if self.compile_decode else None
         self.kernels = [prepare_attention_kernel(

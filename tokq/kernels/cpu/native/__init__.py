@@ -141,6 +141,10 @@ def _register_fakes() -> None:
     def _int8(x, q, qu, scale):
         return x.new_empty((x.shape[0], q.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("tokq_native::bf16_gemv")
+    def _bf16(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
     @torch.library.register_fake("tokq_native::paged_decode")
     def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window):
         return torch.empty_like(q)
