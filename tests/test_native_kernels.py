@@ -156,22 +156,14 @@ def test_other_instruction_sets_match_reference(march, isa, tmp_path):
 
 # decode attention (native/attention.cpp) -----------------------------------------------------------------
 
-def _paged(seq_lens, heads, kv_heads, dim, dtype, block_size=16, seed=0, spare=3):
-    """Random caches and a decode step's metadata, each sequence's blocks scattered over the cache."""
-    from tokq.kernels.paged import PagedAttentionMetadata
+def _paged(seq_lens, heads, kv_heads, dim, dtype, seed=0):
+    """Random caches and a decode step's metadata (kernels/paged.py's layout: blocks scattered over the cache)."""
+    from tokq.kernels.paged import random_paged_layout
 
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in seq_lens]
-    blocks = sum(need) + spare
-    order = torch.randperm(blocks, generator=g).tolist()
-    tables, used = [], 0
-    for n in need:
-        tables.append(order[used: used + n])
-        used += n
-    kc = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    vc = torch.randn(blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    q = torch.randn(len(seq_lens), heads, dim, generator=g).to(dtype)
-    return q, kc, vc, PagedAttentionMetadata.from_lists(tables, seq_lens, [1] * len(seq_lens))
+    lay = random_paged_layout(seq_lens, [1] * len(seq_lens), 16, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype,
+                              seed=seed)
+    q = torch.randn(len(seq_lens), heads, dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return q, lay.k_cache, lay.v_cache, lay.meta
 
 
 @pytest.mark.parametrize("threads", [1, 2])
