@@ -15,8 +15,8 @@ from tokq.engine.checkpoint import load_model
 from tokq.engine.llm_engine import EngineConfig, LLMEngine
 from tokq.engine.sampling import SamplingParams
 from tokq.engine.tokenizer import load_tokenizer
-from tokq.zoo import resolve_model
 from tokq.kernels.cpu import native
+from tokq.zoo import resolve_model
 
 CPU_ATTENTION = "cpu_native_paged" if native.unavailable() is None else "cpu_paged_sdpa"
 
