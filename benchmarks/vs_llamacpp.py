@@ -361,7 +361,7 @@ def held_out_windows(tokenizer, count: int, length: int) -> tuple[list[list[int]
 
     docs = data_dir() / "default"  # the default long-document set, when `tokq data build-default` has run
     files = sorted(p for p in docs.rglob("*") if p.is_file() and p.suffix in (".txt", ".md", ".rst")) if docs.is_dir() else []
-    source = str(docs) if files else str(REPO / "docs")
+    source = "the default document set" if files else "docs"  # named, not a machine path
     if not files:
         files = sorted((REPO / "docs").glob("*.md"))
     windows = []
