@@ -6,7 +6,7 @@ through the torch-op path (attention.py).
   through `write_kv_cpu`, which quantizes or casts.
 - `paged_attention_native`: a step in which every sequence has exactly one query (a decode step) runs
   `tokq_native::paged_decode`: each sequence's keys read in place through its block table, fp32 softmax, split
-  over (sequence, KV head, 256 keys) and merged by log-sum-exp. Prefill chunks, mixed steps, quantized caches
+  over (sequence, chunk of 128 keys with every KV head) and merged by log-sum-exp. Prefill chunks, mixed steps, quantized caches
   and a cache dtype other than the queries' run `paged_attention_cpu`.
 
 Measured (2-core Xeon, 1 thread, bf16, SmolLM2's 9/3 heads x 64, 600 keys, batch 1, best of 40): 60 us a call
