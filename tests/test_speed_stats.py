@@ -128,8 +128,9 @@ def test_interleaved_run_on_a_tiny_engine(tmp_path):
     models = {"base": load_model(tmp_path), "variant": load_model(tmp_path)}
     workload = Workload(prompt_len=40, gen_len=9, num_requests=3, gen_len_range=0.5, seed=0)
     trace = run_paired(paired_engines(models, workload, 2), workload, models["base"].config.vocab_size,
-                       budget_s=0.1, block_steps=3)
-    assert len(trace.passes) == 2 and trace.stopped_by == "budget"  # min_passes, then the budget
+                       budget_s=0.0, block_steps=3)
+    # a spent budget still runs min_passes (a timed budget would make the pass count depend on the machine)
+    assert len(trace.passes) == 2 and trace.stopped_by == "budget"
     lengths = workload.output_lengths()
     for p in trace.passes:
         base, variant = p.steps["base"], p.steps["variant"]
@@ -139,3 +140,7 @@ def test_interleaved_run_on_a_tiny_engine(tmp_path):
         assert len(p.block_of_step) == len(base) and sorted(set(p.first_side)) == ["base", "variant"]
     analysis = analyze(trace, resamples=100)
     assert analysis.metrics["base"]["completed"] == 6 and analysis.ratios["mean_tpot_ms"].units > 2
+    # an unspent budget stops at max_passes instead
+    capped = run_paired(paired_engines(models, workload, 2), workload, models["base"].config.vocab_size,
+                        budget_s=1e9, block_steps=3, max_passes=3)
+    assert len(capped.passes) == 3 and capped.stopped_by == "max_passes"
