@@ -39,6 +39,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("n,k,group,symmetric,m", [
     (96, 128, 32, True, 1), (64, 576, 64, False, 1), (48, 512, 128, False, 3), (36, 256, 64, True, 16),
     (1539, 576, 64, False, 2),  # N not a multiple of 4: the tail rows
+    (40, 1536, 64, False, 1), (32, 1024, 128, True, 4),  # more than 16 groups (a masked second block of them)
 ])
 def test_int4_gemv_matches_reference(n, k, group, symmetric, m):
     weight = random_int_weight(n, k, 4, group, symmetric, seed=n + k)
