@@ -12,9 +12,8 @@ activation scheme, shape and activation dtype. Each `LinearCandidate` is one ker
   the first that can run the layer. The oracle runs everything, so it is last:
 
   triton_w4a16, triton_w8a8_int8, triton_fp8   CUDA (kernels/triton/, imported on first use)
-  cpu_native_int8, cpu_int4, cpu_int8,         CPU (kernels/cpu/linear.py over torch ops; native_linear.py
-  cpu_w8a8_int8, cpu_native_int4,              over tokq's own GEMVs, kernels/cpu/native)
-  cpu_fp8_dequant
+  cpu_native_int8, cpu_native_int4, cpu_int4,  CPU (kernels/cpu/linear.py over torch ops; native_linear.py
+  cpu_int8, cpu_w8a8_int8, cpu_fp8_dequant     over tokq's own GEMVs, kernels/cpu/native)
   reference                                    anywhere (kernels/reference.py)
 """
 
@@ -145,6 +144,14 @@ LINEAR_KERNELS: list[LinearCandidate] = [
                 "decode, aten int8pack for more rows", compute_dtype=torch.bfloat16,
         unless_forced=native_linear.native_int8_not_preferred),
     LinearCandidate(
+        "cpu_native_int4", priority=38, devices=CPU, formats=INT, acts=WEIGHT_ONLY,
+        supports=native_linear.native_int4_supports, prepare=native_linear.prepare_native_int4,
+        run=native_linear.run_native_int4,
+        summary="int4 weight-only: tokq's native GEMV (int8 activations per block, VNNI/AVX2) up to 16 rows, "
+                "dequantize + bf16 GEMM above; chosen on AVX-512 VNNI builds, where it measured faster than "
+                "aten int4pack", compute_dtype=torch.bfloat16,
+        unless_forced=native_linear.native_int4_not_preferred),
+    LinearCandidate(
         "cpu_int4", priority=40, devices=CPU, formats=INT, acts=WEIGHT_ONLY,
         supports=cpu.int4pack_supports, prepare=cpu.prepare_int4pack, run=cpu.run_int4pack,
         summary="int4 weight-only: aten._weight_int4pack_mm_for_cpu, bf16 compute", compute_dtype=torch.bfloat16),
@@ -156,12 +163,6 @@ LINEAR_KERNELS: list[LinearCandidate] = [
         "cpu_w8a8_int8", priority=60, devices=CPU, formats=INT, acts=INT8_ACTS,
         supports=cpu.w8a8_supports, prepare=cpu.prepare_w8a8, run=cpu.run_w8a8,
         summary="W8A8 int8: per-token int8 activations, torch._int_mm, fp32 epilogue"),
-    LinearCandidate(
-        "cpu_native_int4", priority=65, devices=CPU, formats=INT, acts=WEIGHT_ONLY,
-        supports=native_linear.native_int4_supports, prepare=native_linear.prepare_native_int4,
-        run=native_linear.run_native_int4,
-        summary="int4 weight-only: tokq's native GEMV (int8 activations per block, VNNI/AVX2) for decode; "
-                "after torch's CPU kernels until it measures faster", compute_dtype=torch.bfloat16),
     LinearCandidate(
         "cpu_fp8_dequant", priority=70, devices=CPU, formats=FP8, acts=frozenset(ACT_SCHEMES),
         supports=cpu.dequant_dense_supports, prepare=cpu.prepare_dequant_dense, run=cpu.run_dequant_dense,

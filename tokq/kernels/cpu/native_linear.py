@@ -8,11 +8,12 @@ through torch's ops as the `cpu_int4` / `cpu_int8` paths run them.
   1 thread is 5% faster with it (benchmarks/vs_llamacpp.py). Decoder-sized int8 layers keep `cpu_int8` until
   measured.
 - `cpu_native_int4` (int4/int3/int2 weight-only, groups of a multiple of 32): up to NATIVE_MAX_M rows through
-  `tokq_native::int4_gemv`, more as `cpu_int4` does above its own cutoff (dequantize once, dense bf16 GEMM). After
-  torch's CPU kernels in the walk, so chosen only where none of them runs the layer (e.g. per-channel asymmetric
-  int4, which was the reference before): in the engine it measured slower than aten's int4 op (a decode step
-  0.97x the eager baseline against 1.30x, same run); it is there to be measured (`TOKQ_KERNELS=cpu_native_int4`,
-  benchmarks/vs_llamacpp.py) and improved.
+  `tokq_native::int4_gemv`, more as `cpu_int4` does above its own cutoff (dequantize once, dense bf16 GEMM).
+  Chosen before `cpu_int4` on AVX-512 VNNI builds, where it was measured faster: SmolLM2's 120 decoder GEMVs
+  (g64, weights cycled, paired sweeps on a 2-core Xeon) 1.11-1.26x aten's int4 op at M = 1, 1.11-1.49x at
+  M = 4, 1.39-1.54x at M = 16, at 1 and 2 threads. Elsewhere (AVX2 builds, not measured against aten since the
+  kernel's rework) it runs only where torch's kernels cannot (e.g. per-channel asymmetric int4) or when forced
+  (`TOKQ_KERNELS=cpu_native_int4`).
 
 Both quantize the activations to int8 per block (as llama.cpp does): against the reference, outputs differ by
 ~0.5% of the largest output (tests/test_native_kernels.py checks each on fresh random inputs).
@@ -112,6 +113,13 @@ def native_int4_supports(p: LinearProblem) -> Support:
     if p.group_size % NATIVE_INT4_GROUP_MULTIPLE:
         return False, f"group size {p.group_size} is not a multiple of {NATIVE_INT4_GROUP_MULTIPLE}"
     return True, f"native int4 GEMV ({native.isa()}) up to {NATIVE_MAX_M} rows, dequantize + bf16 GEMM above"
+
+
+def native_int4_not_preferred(p: LinearProblem) -> str | None:
+    """Why the registry does not pick it unforced (None: it does): only where it was measured faster than aten."""
+    if native.isa() != "avx512+vnni":
+        return f"measured faster than aten int4pack on AVX-512 VNNI builds only (this build: {native.isa()})"
+    return None
 
 
 def prepare_native_int4(weight: IntWeight, p: LinearProblem) -> NativeInt4State:

@@ -359,6 +359,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), N = packed.size(0), G = K / group;
   auto y = at::empty({M, N}, xf.options());
+  if (M == 0 || N == 0) return y;  // (the loops below read rows[0])
   auto rows = quantize_rows(xf, 32);
   for (auto& r : rows) add_group_sums(r, G, group / 32);
 #if defined(TOKQ_VNNI512)
