@@ -16,11 +16,12 @@ Sides:
   llama.cpp itself (`llama_model_quantize`, F16: the same weights as tokq's 16-bit base, which is that GGUF
   dequantized).
 - tokq, "before": the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python; attention
-  through SDPA, `cpu_paged_sdpa`; the 16-bit tied LM head); "after": pure decode steps compiled, attention through
-  tokq's native decode kernel called from the graph, and for int4 the int8 LM head
-  (quantization/lm_head.py, run by the native int8 GEMV); "int4native": the decoder's int4 layers forced onto the
-  native int4 GEMV too. int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an AWQ or GPTQ
-  g64 build (their rounding differs, their speed does not).
+  through SDPA, `cpu_paged_sdpa`; aten's int4 op; the 16-bit tied LM head); "after" (`int4+int8head compiled`):
+  pure decode steps compiled, attention through tokq's native decode kernel called from the graph, the int4 layers
+  on the kernel the registry picks for this CPU (tokq's native int4 GEMV on AVX-512 VNNI) and the int8 LM head
+  (quantization/lm_head.py, run by the native int8 GEMV); "int4aten+int8head": the same with aten's int4 op.
+  int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an AWQ or GPTQ g64 build (their
+  rounding differs, their speed does not).
 - Batched (`--batch`, default 16): that many distinct prompts (windows 256 tokens apart, so no shared prefix) decoded
   together at the largest thread count, aggregate decode tok/s timed once every prefill is done: tokq through its
   engine (continuous batching, compiled steps), llama.cpp through its batch API (one sequence id per prompt, one
@@ -30,9 +31,9 @@ Sides:
 
 Also recorded: the copy bandwidth measured in the same run, each side's bytes read per token (weights at
 stored size plus the KV cache at the mean context) and the fraction of the copy bandwidth that is, the load
-average before and after, the CPU model and flags, versions; and the KL cost of the int8 LM head
-(full-vocabulary KL against the 16-bit base on held-out windows of the default document set, teacher forced,
-with a 95% interval over windows).
+average before and after, the CPU model and flags, versions; and the KL cost of the int8 LM head and of the native
+int4 GEMV's int8 activations (full-vocabulary KL against the 16-bit base, and native against aten's int4 op, on
+held-out windows of the default document set, teacher forced, with a 95% interval over windows).
 
 Writes benchmarks/results/vs-llamacpp-<model>-cpu.json.
 """
@@ -191,9 +192,12 @@ def tokq_models(model_name: str):
             os.environ.pop("TOKQ_KERNELS") if saved is None else os.environ.__setitem__("TOKQ_KERNELS", saved)
         return model
 
-    return path, {"bf16": build(False, False), "int4": build(True, False),
-                  "int4+int8head": build(True, True),
-                  "int4native+int8head": build(True, True, "cpu_native_int4,cpu_native_int8")}
+    # "int4": the decoder on aten's int4 op and the 16-bit head, as before issue 33; "int4aten+int8head": aten's
+    # int4 op with the int8 head; "int4+int8head": the kernels the registry picks on this CPU (on AVX-512 VNNI,
+    # tokq's native int4 GEMV) with the int8 head
+    return path, {"bf16": build(False, False), "int4": build(True, False, "cpu_int4"),
+                  "int4aten+int8head": build(True, True, "cpu_int4,cpu_native_int8"),
+                  "int4+int8head": build(True, True)}
 
 
 def kernel_names(model) -> list[str]:
@@ -438,7 +442,7 @@ def main() -> None:
         t = max(threads)
         for repeat in range(args.repeats):
             for side, name in (("tokq", "int4+int8head"), ("tokq", "bf16"), ("tokq", "int4"),
-                               ("llama.cpp", int4_peer), ("llama.cpp", "F16")):
+                               ("tokq", "int4aten+int8head"), ("llama.cpp", int4_peer), ("llama.cpp", "F16")):
                 key = f"{side} {name} x{args.batch} @{t}t"
                 r = (tokq_decode_batch(models[name], prompts, args.new, t) if side == "tokq"
                      else llama_decode_batch(args.llama_python, ggufs[name], prompts, args.new, t))
@@ -462,7 +466,7 @@ def main() -> None:
         for mine, peer in ((f"tokq int4 eager @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq int4 compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq int4+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
-                           (f"tokq int4native+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4aten+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq bf16 eager @{t}t", f"llama.cpp F16 @{t}t"),
                            (f"tokq bf16 compiled @{t}t", f"llama.cpp F16 @{t}t")):
             pairs = [a / b for a, b in zip(runs[mine], runs[peer], strict=True)]
@@ -475,6 +479,7 @@ def main() -> None:
         for mine, other in ((f"tokq int4+int8head x{b} @{t}t", f"llama.cpp {int4_peer} x{b} @{t}t"),
                             (f"tokq bf16 x{b} @{t}t", f"llama.cpp F16 x{b} @{t}t"),
                             (f"tokq int4+int8head x{b} @{t}t", f"tokq bf16 x{b} @{t}t"),
+                            (f"tokq int4aten+int8head x{b} @{t}t", f"tokq bf16 x{b} @{t}t"),
                             (f"tokq int4 x{b} @{t}t", f"tokq bf16 x{b} @{t}t")):
             ratios[f"{mine} / {other}"] = summary([a / c for a, c in zip(batched[mine], batched[other], strict=True)])
     if len(threads) > 1:
@@ -484,8 +489,8 @@ def main() -> None:
             if a and b:
                 ratios[f"thread scaling {key} ({hi}t / {lo}t)"] = summary([x / y for x, y in zip(a, b, strict=True)])
 
-    alternated = {t: step_alternated(models, [("int4", False), ("int4", True), ("int4+int8head", True),
-                                              ("int4native+int8head", True)], prompt, t, 60 if args.quick else 200)
+    alternated = {t: step_alternated(models, [("int4", False), ("int4", True), ("int4aten+int8head", True),
+                                              ("int4+int8head", True)], prompt, t, 60 if args.quick else 200)
                   for t in threads}
     windows, window_source = held_out_windows(tokenizer, args.kl_windows, 512)
     kl = head_kl(models["bf16"], {"int4 (bf16 head)": models["int4"], "int4 + int8 head": models["int4+int8head"]},
@@ -496,6 +501,19 @@ def main() -> None:
     base_head = load_model(path, dtype=torch.bfloat16)
     quantize_lm_head_(base_head, "int8")
     kl.update(head_kl(models["bf16"], {"bf16 + int8 head alone": base_head}, windows))
+    if "cpu_native_int4" in kernel_names(models["int4+int8head"]):
+        # the int8 activations of the native int4 GEMV, against the same weights with bf16 activations (aten's op);
+        # every window row through the GEMV as a decode step runs it (the numbers do not depend on the row count)
+        from tokq.kernels.cpu import native_linear
+
+        saved, native_linear.NATIVE_MAX_M = native_linear.NATIVE_MAX_M, 1 << 30
+        try:
+            kl.update(head_kl(models["int4aten+int8head"], {"native int4 (int8 activations) vs aten int4":
+                                                            models["int4+int8head"]}, windows))
+            kl.update(head_kl(models["bf16"], {"int4 + int8 head, decode kernels": models["int4+int8head"]},
+                              windows))
+        finally:
+            native_linear.NATIVE_MAX_M = saved
     kl["windows_from"] = window_source
 
     def agree(a: str, b: str) -> int:

@@ -291,6 +291,37 @@ inline void int4_quad_vnni512(const uint8_t* w, int64_t row_bytes, const float* 
 }
 #endif
 
+#if defined(TOKQ_VNNI512)
+// Four consecutive int8 rows (unsigned codes + 128) against MB activation rows quantized per block of 64 (AVX-512
+// VNNI): one vpdpbusd per row, block and activation row, each weight load shared by the MB rows. out[m][r] is the
+// dot product before the row's scale; the +128 of the codes is taken back out (sum_b 128 * scaled_sum_b).
+template <int MB>
+inline void int8_quad_vnni512(const uint8_t* wu, int64_t K, const QuantRow* const* xs_rows, float* const* out) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 64; ++b) {
+    __m512i w[4];
+    for (int r = 0; r < 4; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(wu + (r + PREFETCH_QUADS * 4) * K + b * 64), _MM_HINT_T0);
+      w[r] = _mm512_loadu_si512(reinterpret_cast<const void*>(wu + r * K + b * 64));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512i xv = _mm512_loadu_si512(reinterpret_cast<const void*>(xs_rows[m]->q.data() + b * 64));
+      const __m512 xs = _mm512_set1_ps(xs_rows[m]->scale[b]);
+      for (int r = 0; r < 4; ++r)
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], xv)), xs,
+                                    acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float correction = 0.f;
+    for (int64_t b = 0; b < K / 64; ++b) correction += 128.f * xs_rows[m]->scaled_sum[b];
+    for (int r = 0; r < 4; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]) - correction;
+  }
+}
+#endif
+
 // One int8 row (signed codes w, or unsigned w + 128 as wu for VNNI) against one activation row in blocks of 64.
 inline float int8_row(const int8_t* w, const uint8_t* wu, const QuantRow& x, int64_t K) {
 #if defined(__AVX2__) && defined(TOKQ_VNNI256)
@@ -420,6 +451,35 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const uint8_t* up = qu.numel() ? qu.data_ptr<uint8_t>() : nullptr;
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (M == 0 || N == 0) return y;
+#if defined(TOKQ_VNNI512)
+  if (up != nullptr) {  // four weight rows at a time, each load shared by up to four activation rows
+    const int64_t quads = N / 4;
+    at::parallel_for(0, quads, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      float out[4][4];
+      float* outs[4] = {out[0], out[1], out[2], out[3]};
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n = b * 4;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const QuantRow* xr[4] = {&rows[m0], &rows[std::min(m0 + 1, M - 1)], &rows[std::min(m0 + 2, M - 1)],
+                                   &rows[std::min(m0 + 3, M - 1)]};
+          const int64_t mb = std::min<int64_t>(4, M - m0);
+          switch (mb) {
+            case 4: int8_quad_vnni512<4>(up + n * K, K, xr, outs); break;
+            case 3: int8_quad_vnni512<3>(up + n * K, K, xr, outs); break;
+            case 2: int8_quad_vnni512<2>(up + n * K, K, xr, outs); break;
+            default: int8_quad_vnni512<1>(up + n * K, K, xr, outs); break;
+          }
+          for (int64_t m = 0; m < mb; ++m)
+            for (int r = 0; r < 4; ++r) yp[(m0 + m) * N + n + r] = sp[n + r] * out[m][r];
+        }
+      }
+    });
+    for (int64_t n = quads * 4; n < N; ++n)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = sp[n] * int8_row(qp + n * K, up + n * K, rows[m], K);
+    return y;
+  }
+#endif
   at::parallel_for(0, N, ROWS_PER_TASK * 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t m = 0; m < M; ++m)
