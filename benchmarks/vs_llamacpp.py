@@ -506,14 +506,14 @@ def main() -> None:
         # every window row through the GEMV as a decode step runs it (the numbers do not depend on the row count)
         from tokq.kernels.cpu import native_linear
 
-        saved, native_linear.NATIVE_MAX_M = native_linear.NATIVE_MAX_M, 1 << 30
+        saved, native_linear.NATIVE_INT4_MAX_M = native_linear.NATIVE_INT4_MAX_M, 1 << 30
         try:
             kl.update(head_kl(models["int4aten+int8head"], {"native int4 (int8 activations) vs aten int4":
                                                             models["int4+int8head"]}, windows))
             kl.update(head_kl(models["bf16"], {"int4 + int8 head, decode kernels": models["int4+int8head"]},
                               windows))
         finally:
-            native_linear.NATIVE_MAX_M = saved
+            native_linear.NATIVE_INT4_MAX_M = saved
     kl["windows_from"] = window_source
 
     def agree(a: str, b: str) -> int:

@@ -1,7 +1,7 @@
 """tokq's native CPU GEMVs (kernels/cpu/native) against the reference path, on fresh random inputs.
 
 Both kernels quantize the activations to int8 per block, so they are held to a relative tolerance of the largest
-output (the error is printed); the rest of their contract (layouts, fallbacks above NATIVE_MAX_M rows, the registry
+output (the error is printed); the rest of their contract (layouts, fallbacks above NATIVE_MAX_M / NATIVE_INT4_MAX_M rows, the registry
 and torch.compile seeing them, what happens without them) is checked exactly.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokq.kernels.cpu import native
-from tokq.kernels.cpu.native_linear import NATIVE_MAX_M, native_int8_supports
+from tokq.kernels.cpu.native_linear import NATIVE_INT4_MAX_M, NATIVE_MAX_M, native_int8_supports
 from tokq.kernels.linear import LINEAR_KERNELS
 from tokq.kernels.problem import LinearProblem
 from tokq.kernels.reference import IntWeight, linear_reference
@@ -67,7 +67,7 @@ def test_int8_gemv_matches_reference(n, k, m):
 @pytest.mark.parametrize("name,bits,group", [("cpu_native_int4", 4, 64), ("cpu_native_int8", 8, 128)])
 def test_more_rows_than_the_gemv_takes_go_to_torch_paths(name, bits, group):
     weight = random_int_weight(64, 128, bits, group, True, seed=3)
-    x = torch.randn(NATIVE_MAX_M + 5, 128).to(torch.bfloat16)
+    x = torch.randn((NATIVE_INT4_MAX_M if bits == 4 else NATIVE_MAX_M) + 5, 128).to(torch.bfloat16)
     kernel = prepare_linear_kernel(weight, None, torch.bfloat16, name)
     err = relative_error(kernel(x, None, None), linear_reference(x, weight, None, None))
     assert err < 0.01  # bf16 GEMMs, no activation quantization

@@ -147,7 +147,7 @@ LINEAR_KERNELS: list[LinearCandidate] = [
         "cpu_native_int4", priority=38, devices=CPU, formats=INT, acts=WEIGHT_ONLY,
         supports=native_linear.native_int4_supports, prepare=native_linear.prepare_native_int4,
         run=native_linear.run_native_int4,
-        summary="int4 weight-only: tokq's native GEMV (int8 activations per block, VNNI/AVX2) up to 16 rows, "
+        summary="int4 weight-only: tokq's native GEMV (int8 activations per block, VNNI/AVX2) up to 32 rows, "
                 "dequantize + bf16 GEMM above; chosen on AVX-512 VNNI builds, where it measured faster than "
                 "aten int4pack", compute_dtype=torch.bfloat16,
         unless_forced=native_linear.native_int4_not_preferred),

@@ -7,7 +7,7 @@ through torch's ops as the `cpu_int4` / `cpu_int8` paths run them.
   runs in 3.4 ms against 6.0-6.3 ms at 1 thread, cache cold (2-core Xeon, VNNI build), and a decode step at
   1 thread is 5% faster with it (benchmarks/vs_llamacpp.py). Decoder-sized int8 layers keep `cpu_int8` until
   measured.
-- `cpu_native_int4` (int4/int3/int2 weight-only, groups of a multiple of 32): up to NATIVE_MAX_M rows through
+- `cpu_native_int4` (int4/int3/int2 weight-only, groups of a multiple of 32): up to NATIVE_INT4_MAX_M rows through
   `tokq_native::int4_gemv`, more as `cpu_int4` does above its own cutoff (dequantize once, dense bf16 GEMM).
   Chosen before `cpu_int4` on AVX-512 VNNI builds, where it was measured faster: SmolLM2's 120 decoder GEMVs
   (g64, weights cycled, paired sweeps on a 2-core Xeon) 1.11-1.26x aten's int4 op at M = 1, 1.11-1.49x at
@@ -29,9 +29,13 @@ import torch.nn.functional as F
 from ..problem import LinearProblem
 from ..reference import IntWeight
 from . import native
-from .linear import Support, _finish, _rows, _weight_only_int, dequantize_bf16
+from .linear import INT4PACK_MAX_M, Support, _finish, _rows, _weight_only_int, dequantize_bf16
 
-NATIVE_MAX_M = 16  # rows per call through the GEMV kernels; more rows go to torch's GEMM paths
+NATIVE_MAX_M = 16  # rows per call through the int8 GEMV; more rows go to aten's int8pack
+# Rows per call through the int4 GEMV; more rows are dequantized to bf16 for a dense GEMM. The same cutoff as
+# cpu_int4's (linear.INT4PACK_MAX_M), so that decode batches of 17-32 sequences do not dequantize every layer
+# every step: the GEMV's time grows linearly with the rows, and it stays ahead of aten's op at 16 and 32 rows.
+NATIVE_INT4_MAX_M = INT4PACK_MAX_M
 NATIVE_INT4_GROUP_MULTIPLE = 32
 NATIVE_INT8_K_MULTIPLE = 64
 NATIVE_INT8_MIN_N = 8192  # output layers (vocabulary-sized): where the kernel was measured faster
@@ -100,7 +104,7 @@ class NativeInt4State:
     group_size: int
     n: int
     k: int
-    # the layer's own codes/scales (no copy): dequantized per call above NATIVE_MAX_M rows
+    # the layer's own codes/scales (no copy): dequantized per call above NATIVE_INT4_MAX_M rows
     weight: IntWeight = field(repr=False, metadata={"layer_buffers": True})
 
 
@@ -112,7 +116,7 @@ def native_int4_supports(p: LinearProblem) -> Support:
         return False, f"takes codes of at most 4 bits, these have {p.bits}"
     if p.group_size % NATIVE_INT4_GROUP_MULTIPLE:
         return False, f"group size {p.group_size} is not a multiple of {NATIVE_INT4_GROUP_MULTIPLE}"
-    return True, f"native int4 GEMV ({native.isa()}) up to {NATIVE_MAX_M} rows, dequantize + bf16 GEMM above"
+    return True, f"native int4 GEMV ({native.isa()}) up to {NATIVE_INT4_MAX_M} rows, dequantize + bf16 GEMM above"
 
 
 def native_int4_not_preferred(p: LinearProblem) -> str | None:
@@ -131,7 +135,7 @@ def prepare_native_int4(weight: IntWeight, p: LinearProblem) -> NativeInt4State:
 
 def run_native_int4(x: torch.Tensor, state: NativeInt4State, bias: torch.Tensor | None, act: str | None) -> torch.Tensor:
     rows = _rows(x, state.k)
-    if rows.shape[0] > NATIVE_MAX_M:
+    if rows.shape[0] > NATIVE_INT4_MAX_M:
         y = F.linear(rows.to(torch.bfloat16), dequantize_bf16(state.weight))
     else:
         y = torch.ops.tokq_native.int4_gemv(rows, state.packed, state.scale, state.zero, state.group_size)
