@@ -40,12 +40,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     (96, 128, 32, True, 1), (64, 576, 64, False, 1), (48, 512, 128, False, 3), (36, 256, 64, True, 16),
     (1539, 576, 64, False, 2),  # N not a multiple of 4: the tail rows
     (40, 1536, 64, False, 1), (32, 1024, 128, True, 4),  # more than 16 groups (a masked second block of them)
+    (40, 96, 32, False, 3),  # K not a multiple of 64: the 256-bit row loop
+    (20, 576, 576, False, 11),  # one group per row (per-channel), N padded to a tile of 16, 8 + 3 activation rows
 ])
 def test_int4_gemv_matches_reference(n, k, group, symmetric, m):
     weight = random_int_weight(n, k, 4, group, symmetric, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float32).to(torch.bfloat16)
     kernel = prepare_linear_kernel(weight, None, torch.bfloat16, "cpu_native_int4")
     assert kernel.name == "cpu_native_int4"
+    # AVX-512 VNNI builds take the tiled layout where K and the group are multiples of 64, the row-major one elsewhere
+    assert kernel.state.tiled == (native.isa() == "avx512+vnni" and k % 64 == 0 and group % 64 == 0)
     got, want = kernel(x, None, None), linear_reference(x, weight, None, None)
     err = relative_error(got, want)
     print(f"int4 [{n}x{k}] g{group} {'sym' if symmetric else 'asym'} M={m}: max error {err:.4f} of max |y|")
@@ -88,6 +92,32 @@ def test_int4_packing_layout():
     u = codes.to(torch.int16) + 8
     assert int(packed[0, 0]) == int(u[0, 0]) | int(u[0, 16]) << 4  # chunk 0, byte 0: elements 0 and 16
     assert int(packed[0, 16]) == int(u[0, 32]) | int(u[0, 48]) << 4  # chunk 1, byte 0: elements 32 and 48
+
+
+def test_int4_tiled_packing_layout():
+    codes = torch.randint(-8, 8, (32, 128), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    packed = native.pack_int4_tiled(codes)
+    assert packed.shape == (2, 2, 512) and packed.dtype == torch.uint8
+    u = codes.to(torch.int16) + 8
+    for t, b, q, n, i in ((0, 0, 0, 0, 0), (1, 1, 3, 5, 2), (0, 1, 7, 15, 3), (1, 0, 12, 9, 1)):
+        row, col = 16 * t + n, 64 * b + 4 * q + i  # quad q of row n in block b: k = 64 b + 4 q + i
+        byte = int(packed[t, b, (q % 8) * 64 + n * 4 + i])
+        assert (byte >> 4 if q >= 8 else byte & 15) == int(u[row, col])
+
+
+@pytest.mark.skipif(native.unavailable() is not None or native.isa() != "avx512+vnni",
+                    reason="the tiled int4 GEMV needs an AVX-512 VNNI build")
+def test_int4_tiled_and_row_major_kernels_agree():
+    """The two layouts' kernels quantize the activations alike and sum exactly in int32: only fp32 order differs."""
+    weight = random_int_weight(48, 640, 4, 128, False, seed=9)
+    codes = weight.q
+    scale = weight.scale.float()
+    zero = -weight.zero.float() * scale
+    x = torch.randn(5, 640, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    tiled = torch.ops.tokq_native.int4_gemv_tiled(x, native.pack_int4_tiled(codes), scale.t().contiguous(),
+                                                  (zero - 8 * scale).t().contiguous(), 128)
+    rows = torch.ops.tokq_native.int4_gemv(x, native.pack_int4(codes), scale.contiguous(), zero.contiguous(), 128)
+    assert relative_error(tiled, rows) < 1e-5
 
 
 def test_refusals_say_why(monkeypatch):

@@ -30,9 +30,11 @@ compiler is missing or fails, the engine logs why once and runs that model eager
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
+import types
 from collections.abc import Callable
 
 import torch
@@ -159,6 +161,20 @@ def model_fingerprint(model: torch.nn.Module) -> tuple:
             tuple(id(t) for t in model.buffers()), kernels)
 
 
+_forward_copies = itertools.count()
+
+
+def _own_forward(model: torch.nn.Module) -> Callable:
+    """`model.forward` bound to a copy of its function with a code object of its own, so that dynamo keeps this
+    model's compiled graphs in a cache no other model's calls walk."""
+    fn = type(model).forward
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_tokq{next(_forward_copies)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return types.MethodType(copy, model)
+
+
 def compiled_forward(model: torch.nn.Module, fingerprint: tuple | None = None) -> Callable | None:
     """The model's compiled forward (made once per model and fingerprint), or None when compiling failed for it.
 
@@ -172,13 +188,16 @@ def compiled_forward(model: torch.nn.Module, fingerprint: tuple | None = None) -
     cached = getattr(model, _COMPILED_ATTR, None)
     if cached is not None and cached[0] == fingerprint:
         return cached[1]
-    # isolate_recompiles: this model's graphs are its own. Dynamo caches per code object (CausalLM.forward), and
-    # without guards on the module a second model would otherwise run the first one's graph.
+    # isolate_recompiles: this model's graphs are its own. Dynamo caches per code object, and without guards on
+    # the module a second model would otherwise run the first one's graph. The forward is also compiled from a code
+    # object of its own (`_own_forward`): with every model on CausalLM.forward's, a step of the model compiled second
+    # in a process first evaluated (and failed) the other model's guards, which made it ~12% slower a SmolLM2 step on
+    # a 2-core Xeon than the same model compiled first (a bias in any paired run: the gate's base and variant).
     # size_asserts off: inductor's wrapper checks every input's and extern op output's sizes and strides on every
     # call, ~640 checks a SmolLM2 step (5% of a 2-thread int4 step, step-alternated). What they guard against, an op
     # returning another layout than its fake declares, is what tests/test_compiled_decode.py's compiled-vs-eager
     # equality checks catch, and tokq's ops return contiguous outputs (`paged_attend` makes its own so).
-    fn = torch.compile(model.forward, dynamic=None, isolate_recompiles=True,
+    fn = torch.compile(_own_forward(model), dynamic=None, isolate_recompiles=True,
                        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                 "size_asserts": False})
     object.__setattr__(model, _COMPILED_ATTR, (fingerprint, fn))  # not a submodule or parameter: not in state_dict

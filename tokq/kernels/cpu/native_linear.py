@@ -98,14 +98,16 @@ def run_native_int8(x: torch.Tensor, state: NativeInt8State, bias: torch.Tensor 
 
 @dataclass
 class NativeInt4State:
-    packed: torch.Tensor  # uint8 [N, K/2] in gemv.cpp's layout
-    scale: torch.Tensor  # fp32 [N, G]
-    zero: torch.Tensor  # fp32 [N, G]: -z * scale (0 when symmetric)
+    # row-major: uint8 [N, K/2] (gemv.cpp's int4_gemv); tiled: uint8 [N_pad / 16, K / 64, 512] (int4_gemv_tiled)
+    packed: torch.Tensor
+    scale: torch.Tensor  # row-major: fp32 [N, G]; tiled: fp32 [G, N_pad], transposed
+    zero: torch.Tensor  # row-major: fp32 [N, G], -z * scale (0 when symmetric); tiled: fp32 [G, N_pad], zero - 8 scale
     group_size: int
     n: int
     k: int
     # the layer's own codes/scales (no copy): dequantized per call above NATIVE_INT4_MAX_M rows
     weight: IntWeight = field(repr=False, metadata={"layer_buffers": True})
+    tiled: bool = False
 
 
 def native_int4_supports(p: LinearProblem) -> Support:
@@ -126,17 +128,36 @@ def native_int4_not_preferred(p: LinearProblem) -> str | None:
     return None
 
 
+def tiled_layout_fits(k: int, group_size: int) -> bool:
+    """Whether a layer takes gemv.cpp's tiled int4 layout: an AVX-512 VNNI build, K and the group multiples of 64."""
+    return native.isa() == "avx512+vnni" and k % 64 == 0 and group_size % 64 == 0
+
+
 def prepare_native_int4(weight: IntWeight, p: LinearProblem) -> NativeInt4State:
+    """The tiled layout where it fits (measured on SmolLM2's decoder GEMVs, 2-core Xeon, against the row-major one:
+    within 5% at one row, 1.1-1.5x at 4, 1.7-1.85x at 16), else the row-major one."""
     n, k = weight.q.shape
-    scale = weight.scale.float().contiguous()
-    zero = torch.zeros_like(scale) if weight.zero is None else (-weight.zero.float() * scale).contiguous()
-    return NativeInt4State(native.pack_int4(weight.q), scale, zero, weight.group_size, n, k, weight)
+    scale = weight.scale.float()
+    zero = torch.zeros_like(scale) if weight.zero is None else -weight.zero.float() * scale
+    if not tiled_layout_fits(k, weight.group_size):
+        return NativeInt4State(native.pack_int4(weight.q), scale.contiguous(), zero.contiguous(), weight.group_size,
+                               n, k, weight)
+    codes = weight.q
+    pad = (-n) % 16
+    if pad:  # padded rows: code 0, scale 0, zero 0 -> output 0, sliced off by _finish
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+    return NativeInt4State(native.pack_int4_tiled(codes), scale.t().contiguous(), (zero - 8 * scale).t().contiguous(),
+                           weight.group_size, n, k, weight, tiled=True)
 
 
 def run_native_int4(x: torch.Tensor, state: NativeInt4State, bias: torch.Tensor | None, act: str | None) -> torch.Tensor:
     rows = _rows(x, state.k)
     if rows.shape[0] > NATIVE_INT4_MAX_M:
         y = F.linear(rows.to(torch.bfloat16), dequantize_bf16(state.weight))
+    elif state.tiled:
+        y = torch.ops.tokq_native.int4_gemv_tiled(rows, state.packed, state.scale, state.zero, state.group_size)
     else:
         y = torch.ops.tokq_native.int4_gemv(rows, state.packed, state.scale, state.zero, state.group_size)
     return _finish(y, x, state.n, bias)

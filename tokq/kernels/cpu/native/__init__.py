@@ -137,6 +137,10 @@ def _register_fakes() -> None:
     def _int4(x, packed, scale, zero, group):
         return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("tokq_native::int4_gemv_tiled")
+    def _int4_tiled(x, packed, scale_t, zb_t, group):
+        return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
+
     @torch.library.register_fake("tokq_native::int8_gemv")
     def _int8(x, q, qu, scale):
         return x.new_empty((x.shape[0], q.shape[0]), dtype=torch.float32)
@@ -166,3 +170,13 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     u = (codes.to(torch.int16) + 8).to(torch.uint8).view(n, k // 32, 2, 16)
     return (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
+
+
+def pack_int4_tiled(codes: torch.Tensor) -> torch.Tensor:
+    """Signed int4 codes [N, K] (-8..7, 16 | N, 64 | K) -> gemv.cpp's tiled bytes [N / 16, K / 64, 512]: per tile of 16
+    rows and block of 64 k, quad q (k = 64 b + 4 q + i) of row n at [q % 8][n][i], q < 8 in the low nibble, q >= 8
+    in the high one, u = code + 8."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).view(n // 16, 16, k // 64, 16, 4)  # [t, n, b, q, i]
+    u = u.permute(0, 2, 3, 1, 4)  # [t, b, q, n, i]
+    return (u[:, :, :8] | (u[:, :, 8:] << 4)).reshape(n // 16, k // 64, 512).contiguous()
