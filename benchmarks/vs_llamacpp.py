@@ -41,6 +41,7 @@ Writes benchmarks/results/vs-llamacpp-<model>-cpu.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -378,6 +379,42 @@ def held_out_windows(tokenizer, count: int, length: int) -> tuple[list[list[int]
     return windows, source
 
 
+@contextlib.contextmanager
+def every_row_through_the_gemvs():
+    """Every row through the native GEMVs (int4 and int8), as decode steps run them: the numbers of a row do not
+    depend on how many rows a call has, so a teacher-forced window scored this way has the decode path's logits."""
+    from tokq.kernels.cpu import native_linear
+
+    saved = native_linear.NATIVE_MAX_M, native_linear.NATIVE_INT4_MAX_M
+    native_linear.NATIVE_MAX_M = native_linear.NATIVE_INT4_MAX_M = 1 << 30
+    try:
+        yield
+    finally:
+        native_linear.NATIVE_MAX_M, native_linear.NATIVE_INT4_MAX_M = saved
+
+
+def quality_costs(models: dict, path: Path, tokenizer, count: int) -> dict:
+    """KL of the int8 head (alone, and on top of int4) against the 16-bit base, and of the decode kernels' int8
+    activations: the int4 + int8 head build as decode steps compute it, against the base and against the same
+    weights on aten's int4 op (bf16 activations)."""
+    from tokq.engine.checkpoint import load_model
+    from tokq.quantization.lm_head import quantize_lm_head_
+
+    windows, window_source = held_out_windows(tokenizer, count, 512)
+    kl = head_kl(models["bf16"], {"int4 (bf16 head)": models["int4"], "int4 + int8 head": models["int4+int8head"]},
+                 windows)
+    base_head = load_model(path, dtype=torch.bfloat16)
+    quantize_lm_head_(base_head, "int8")
+    kl.update(head_kl(models["bf16"], {"bf16 + int8 head alone": base_head}, windows))
+    with every_row_through_the_gemvs():
+        kl.update(head_kl(models["bf16"], {"int4 + int8 head, decode kernels": models["int4+int8head"]}, windows))
+        if "cpu_native_int4" in kernel_names(models["int4+int8head"]):  # both heads on the native int8 GEMV here
+            kl.update(head_kl(models["int4aten+int8head"], {"native int4 (int8 activations) vs aten int4":
+                                                            models["int4+int8head"]}, windows))
+    kl["windows_from"] = window_source
+    return kl
+
+
 # the run -------------------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -392,7 +429,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="sequences decoded together in the batched runs (0: none)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens, 4 KL windows: a smoke run")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--kl-only", action="store_true",
+                    help="recompute only the KL costs (lm_head_kl) into the existing results file")
     args = ap.parse_args()
+    if args.kl_only:
+        from tokq.engine.tokenizer import load_tokenizer
+
+        out = args.out or RESULTS / f"vs-llamacpp-{args.model}-cpu.json"
+        result = json.loads(out.read_text(encoding="utf-8"))
+        path, models = tokq_models(args.model)
+        result["lm_head_kl"] = quality_costs(models, path, load_tokenizer(path), args.kl_windows)
+        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps(result["lm_head_kl"], indent=2))
+        return
     if args.quick:
         args.repeats, args.new, args.kl_windows = 1, 32, 4
     threads = [int(t) for t in args.threads.split(",")]
@@ -492,29 +541,7 @@ def main() -> None:
     alternated = {t: step_alternated(models, [("int4", False), ("int4", True), ("int4aten+int8head", True),
                                               ("int4+int8head", True)], prompt, t, 60 if args.quick else 200)
                   for t in threads}
-    windows, window_source = held_out_windows(tokenizer, args.kl_windows, 512)
-    kl = head_kl(models["bf16"], {"int4 (bf16 head)": models["int4"], "int4 + int8 head": models["int4+int8head"]},
-                 windows)
-    from tokq.engine.checkpoint import load_model
-    from tokq.quantization.lm_head import quantize_lm_head_
-
-    base_head = load_model(path, dtype=torch.bfloat16)
-    quantize_lm_head_(base_head, "int8")
-    kl.update(head_kl(models["bf16"], {"bf16 + int8 head alone": base_head}, windows))
-    if "cpu_native_int4" in kernel_names(models["int4+int8head"]):
-        # the int8 activations of the native int4 GEMV, against the same weights with bf16 activations (aten's op);
-        # every window row through the GEMV as a decode step runs it (the numbers do not depend on the row count)
-        from tokq.kernels.cpu import native_linear
-
-        saved, native_linear.NATIVE_INT4_MAX_M = native_linear.NATIVE_INT4_MAX_M, 1 << 30
-        try:
-            kl.update(head_kl(models["int4aten+int8head"], {"native int4 (int8 activations) vs aten int4":
-                                                            models["int4+int8head"]}, windows))
-            kl.update(head_kl(models["bf16"], {"int4 + int8 head, decode kernels": models["int4+int8head"]},
-                              windows))
-        finally:
-            native_linear.NATIVE_INT4_MAX_M = saved
-    kl["windows_from"] = window_source
+    kl = quality_costs(models, path, tokenizer, args.kl_windows)
 
     def agree(a: str, b: str) -> int:
         x, y = tokens[a], tokens[b]

@@ -9,9 +9,11 @@ through torch's ops as the `cpu_int4` / `cpu_int8` paths run them.
   measured.
 - `cpu_native_int4` (int4/int3/int2 weight-only, groups of a multiple of 32): up to NATIVE_INT4_MAX_M rows through
   `tokq_native::int4_gemv`, more as `cpu_int4` does above its own cutoff (dequantize once, dense bf16 GEMM).
-  Chosen before `cpu_int4` on AVX-512 VNNI builds, where it was measured faster: SmolLM2's 120 decoder GEMVs
-  (g64, weights cycled, paired sweeps on a 2-core Xeon) 1.11-1.26x aten's int4 op at M = 1, 1.11-1.49x at
-  M = 4, 1.39-1.54x at M = 16, at 1 and 2 threads. Elsewhere (AVX2 builds, not measured against aten since the
+  Two layouts: on AVX-512 VNNI builds, where K and the group are multiples of 64, tiles of 16 rows x 64 k for
+  `int4_gemv_tiled` (a vertical vpdpbusd, each weight register reused by 8 activation rows); elsewhere row-major
+  for `int4_gemv`. Chosen before `cpu_int4` on AVX-512 VNNI builds, where it was measured faster: SmolLM2's 120
+  decoder GEMVs (g64, paired sweeps on a 2-core Xeon) 1.13-1.18x aten's int4 op at M = 1, 1.35-1.56x at M = 4,
+  1.91-2.67x at M = 16, at 1 and 2 threads (the row-major kernel: 1.1-1.3x, 1.1-1.5x, 1.4-1.5x). Elsewhere (AVX2 builds, not measured against aten since the
   kernel's rework) it runs only where torch's kernels cannot (e.g. per-channel asymmetric int4) or when forced
   (`TOKQ_KERNELS=cpu_native_int4`).
 
