@@ -13,9 +13,9 @@ through torch's ops as the `cpu_int4` / `cpu_int8` paths run them.
   `int4_gemv_tiled` (a vertical vpdpbusd, each weight register reused by 8 activation rows); elsewhere row-major
   for `int4_gemv`. Chosen before `cpu_int4` on AVX-512 VNNI builds, where it was measured faster: SmolLM2's 120
   decoder GEMVs (g64, paired sweeps on a 2-core Xeon) 1.13-1.18x aten's int4 op at M = 1, 1.35-1.56x at M = 4,
-  1.91-2.67x at M = 16, at 1 and 2 threads (the row-major kernel: 1.1-1.3x, 1.1-1.5x, 1.4-1.5x). Elsewhere (AVX2 builds, not measured against aten since the
-  kernel's rework) it runs only where torch's kernels cannot (e.g. per-channel asymmetric int4) or when forced
-  (`TOKQ_KERNELS=cpu_native_int4`).
+  1.91-2.67x at M = 16, at 1 and 2 threads (the row-major kernel: 1.1-1.3x, 1.1-1.5x, 1.4-1.5x). Elsewhere
+  (AVX2 builds, not measured against aten since the kernel's rework) it runs only where torch's kernels cannot
+  (e.g. per-channel asymmetric int4) or when forced (`TOKQ_KERNELS=cpu_native_int4`).
 
 Both quantize the activations to int8 per block (as llama.cpp does): against the reference, outputs differ by
 ~0.5% of the largest output (tests/test_native_kernels.py checks each on fresh random inputs).
@@ -36,7 +36,7 @@ from .linear import INT4PACK_MAX_M, Support, _finish, _rows, _weight_only_int, d
 NATIVE_MAX_M = 16  # rows per call through the int8 GEMV; more rows go to aten's int8pack
 # Rows per call through the int4 GEMV; more rows are dequantized to bf16 for a dense GEMM. The same cutoff as
 # cpu_int4's (linear.INT4PACK_MAX_M), so that decode batches of 17-32 sequences do not dequantize every layer
-# every step: the GEMV's time grows linearly with the rows, and it stays ahead of aten's op at 16 and 32 rows.
+# every step: the GEMV's time grows linearly with the rows (measured ahead of aten's op at 1, 4 and 16 rows).
 NATIVE_INT4_MAX_M = INT4PACK_MAX_M
 NATIVE_INT4_GROUP_MULTIPLE = 32
 NATIVE_INT8_K_MULTIPLE = 64

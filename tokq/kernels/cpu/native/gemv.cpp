@@ -314,11 +314,8 @@ inline void int8_quad_vnni512(const uint8_t* wu, int64_t K, const QuantRow* cons
                                     acc[m][r]);
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    float correction = 0.f;
-    for (int64_t b = 0; b < K / 64; ++b) correction += 128.f * xs_rows[m]->scaled_sum[b];
-    for (int r = 0; r < 4; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]) - correction;
-  }
+  for (int m = 0; m < MB; ++m)  // group_sum[0]: the row's whole sum_b scaled_sum_b, made once per call
+    for (int r = 0; r < 4; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]) - 128.f * xs_rows[m]->group_sum[0];
 }
 #endif
 
@@ -569,7 +566,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), N = q.size(0);
   auto y = at::empty({M, N}, xf.options());
-  const auto rows = quantize_rows(xf, 64);
+  auto rows = quantize_rows(xf, 64);
+  for (auto& r : rows) add_group_sums(r, 1, K / 64);  // the +128 correction's sum, once per row, not per weight quad
   const int8_t* qp = q.data_ptr<int8_t>();
   const uint8_t* up = qu.numel() ? qu.data_ptr<uint8_t>() : nullptr;
   const float* sp = scale.data_ptr<float>();
