@@ -201,6 +201,8 @@ def _paged(seq_lens, heads, kv_heads, dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype,seq_lens,heads,kv_heads,dim,window", [
     (torch.bfloat16, [600], 9, 3, 64, None),  # SmolLM2, batch 1: several 128-key chunks merged
     (torch.bfloat16, [1, 129, 300, 17], 9, 3, 64, None),  # one key; a chunk of exactly one key past 128
+    (torch.bfloat16, [257, 3, 40], 14, 2, 64, 100),  # the AVX-512 BF16 path with GQA 7 (head groups of 4 and 3)
+    (torch.bfloat16, [70, 500], 8, 8, 128, None),  # ... with two 64-dim halves per head, no GQA
     (torch.float16, [700, 45], 4, 1, 256, 512),  # Gemma-3 shaped with its window
     (torch.float32, [257, 3], 14, 2, 64, 100),  # Qwen2.5 0.5B shaped, GQA 7
     (torch.float32, [33], 2, 2, 80, None),  # no GQA, head dim not a multiple of 16

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -175,81 +176,216 @@ struct Chunk {
   int64_t seq, lo, hi;  // keys [lo, hi) of sequence `seq`
 };
 
-// Queries of one sequence against keys [lo, hi): each key's slot ([kv_heads, head_dim], contiguous) read once
-// for every head, so a task streams whole blocks rather than one head's strided rows.
+// Each sequence's keys [start, len) split into chunks of at most KEYS_PER_TASK, one task each, merged afterwards
+// by their log-sum-exp. With fewer tasks than a few per thread (batch 1), a sequence's chunk count is rounded up to
+// a multiple of the threads, so that every thread gets the same number of keys: 600 keys made 5 chunks of 128,
+// three for one thread and two for the other.
+std::vector<Chunk> plan_chunks(const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
+                               std::vector<int64_t>& first_chunk) {
+  const int64_t B = static_cast<int64_t>(lens.size()), threads = at::get_num_threads();
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += (lens[b] - starts[b] + KEYS_PER_TASK - 1) / KEYS_PER_TASK;
+  const bool balance = threads > 1 && total < 4 * threads;
+  std::vector<Chunk> chunks;
+  for (int64_t b = 0; b < B; ++b) {
+    first_chunk[b] = static_cast<int64_t>(chunks.size());
+    const int64_t keys = lens[b] - starts[b];
+    int64_t count = (keys + KEYS_PER_TASK - 1) / KEYS_PER_TASK;
+    if (balance) count = std::min(keys, (count + threads - 1) / threads * threads);
+    for (int64_t c = 0; c < count; ++c)  // chunk c: keys [keys c / count, keys (c + 1) / count), sizes differ by <= 1
+      chunks.push_back({b, starts[b] + keys * c / count, starts[b] + keys * (c + 1) / count});
+  }
+  first_chunk[B] = static_cast<int64_t>(chunks.size());
+  return chunks;
+}
+
+// Per thread: buffers one chunk's work needs.
+struct ChunkScratch {
+  std::vector<float> qf, row, rows, scores, acc;
+  std::vector<int64_t> offsets;
+  ChunkScratch(int64_t Hq, int64_t D, int64_t slot)
+      : qf(Hq * D), row(slot), rows(4 * slot), scores(Hq * KEYS_PER_TASK), acc(Hq * D), offsets(KEYS_PER_TASK) {}
+};
+
+// One chunk, any dtype and instruction set: each key's slot ([kv_heads, head_dim], contiguous) converted to fp32
+// once for every head. Writes part[head * (D + 2) + {0: max score, 1: sum of exp, 2..: unnormalized output}].
+template <typename T>
+void decode_chunk(const Chunk& c, const T* qp, const T* kp, const T* vp, int64_t Hq, int64_t Hkv, int64_t D,
+                  float scale, ChunkScratch& w, float* part) {
+  const int64_t G = Hq / Hkv, slot = Hkv * D, stride = D + 2, n = c.hi - c.lo;
+  const int64_t* offsets = w.offsets.data();
+  float* scores = w.scores.data();
+  load_float(qp + c.seq * Hq * D, w.qf.data(), Hq * D);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + PREFETCH_KEYS < n) prefetch(kp + offsets[i + PREFETCH_KEYS], slot);
+    load_float(kp + offsets[i], w.row.data(), slot);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        scores[(h * G + g) * KEYS_PER_TASK + i] = scale * dot(w.qf.data() + (h * G + g) * D, w.row.data() + h * D, D);
+  }
+  for (int64_t head = 0; head < Hq; ++head) {
+    float* s = scores + head * KEYS_PER_TASK;
+    const float m = max_of(s, n);
+    part[head * stride] = m;
+    part[head * stride + 1] = exp_shifted_sum(s, n, m);
+  }
+  // the weighted sum of values, four keys per pass over the accumulators: one load and store of each
+  // accumulator per four keys (one per key made those stores the kernel's bottleneck)
+  float* rows = w.rows.data();
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t keys = std::min<int64_t>(4, n - i0);
+    for (int64_t j = 0; j < 4; ++j) {
+      if (i0 + j + PREFETCH_KEYS < n) prefetch(vp + offsets[i0 + j + PREFETCH_KEYS], slot);
+      if (j < keys) load_float(vp + offsets[i0 + j], rows + j * slot, slot);
+      else std::fill(rows + j * slot, rows + (j + 1) * slot, 0.f);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* v0 = rows + h * D;
+      const float* v1 = v0 + slot;
+      const float* v2 = v1 + slot;
+      const float* v3 = v2 + slot;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* sc = scores + (h * G + g) * KEYS_PER_TASK + i0;
+        const float p0 = sc[0], p1 = keys > 1 ? sc[1] : 0.f, p2 = keys > 2 ? sc[2] : 0.f, p3 = keys > 3 ? sc[3] : 0.f;
+        float* a = w.acc.data() + (h * G + g) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+      }
+    }
+  }
+  for (int64_t head = 0; head < Hq; ++head)
+    std::copy(w.acc.begin() + head * D, w.acc.begin() + (head + 1) * D, part + head * stride + 2);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 caches on AVX-512 BF16 (head_dim a multiple of 64): the generic chunk spent ~360 instructions a key (fp32
+// conversion of every slot, a horizontal sum per score, accumulators through memory), 65 us a SmolLM2 layer at
+// 600 keys, compute-bound at a third of the memory bandwidth. Here a score is vdpbf16ps straight on the cached
+// bf16 (products exact in fp32) with 16 keys' sums reduced together (transpose_sum16), and the values accumulate
+// in registers, 4 query heads x 64 dims at a time.
+constexpr bool kBf16Path = true;
+
+// lane j of the result = the sum of v[j]'s 16 lanes
+inline __m512 transpose_sum16(__m512* v) {
+  __m512 t[8], u[4];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: the lane's sums of 4 vectors
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512 bf16x16_to_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+void decode_chunk_bf16(const Chunk& c, const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t Hq,
+                       int64_t Hkv, int64_t D, float scale, ChunkScratch& w, float* part) {
+  const int64_t G = Hq / Hkv, slot = Hkv * D, stride = D + 2, n = c.hi - c.lo, pairs = D / 32;
+  const int64_t* offsets = w.offsets.data();
+  float* scores = w.scores.data();
+  const uint16_t* q = qp + c.seq * Hq * D;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j) prefetch(kp + offsets[j], slot);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, n - i0);
+    // the next 16 keys' slots into L1, and this block's values into L2 for the pass below
+    for (int64_t j = i0 + 16; j < std::min(n, i0 + 32); ++j) prefetch(kp + offsets[j], slot);
+    const __mmask16 valid = static_cast<__mmask16>((1u << keys) - 1);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qh = q + (h * G + g) * D;
+        __m512 acc[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          acc[j] = _mm512_setzero_ps();
+          if (j >= keys) continue;
+          const uint16_t* k = kp + offsets[i0 + j] + h * D;
+          for (int64_t p = 0; p < pairs; ++p)
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(qh + 32 * p),
+                                      (__m512bh)_mm512_loadu_si512(k + 32 * p));
+        }
+        _mm512_mask_storeu_ps(scores + (h * G + g) * KEYS_PER_TASK + i0, valid,
+                              _mm512_mul_ps(transpose_sum16(acc), vscale));
+      }
+  }
+  for (int64_t head = 0; head < Hq; ++head) {
+    float* s = scores + head * KEYS_PER_TASK;
+    const float m = max_of(s, n);
+    part[head * stride] = m;
+    part[head * stride + 1] = exp_shifted_sum(s, n, m);
+  }
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t d0 = 0; d0 < D; d0 += 64)
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t heads = std::min<int64_t>(4, G - g0);
+        __m512 acc[4][4];
+        for (auto& a : acc)
+          for (auto& x : a) x = _mm512_setzero_ps();
+        const float* sc = scores + (h * G + g0) * KEYS_PER_TASK;
+        const bool first_pass = h == 0 && d0 == 0 && g0 == 0;
+        for (int64_t i = 0; i < n; ++i) {
+          if (first_pass && i + PREFETCH_KEYS < n) prefetch(vp + offsets[i + PREFETCH_KEYS], slot);
+          const uint16_t* v = vp + offsets[i] + h * D + d0;
+          const __m512 v0 = bf16x16_to_float(v), v1 = bf16x16_to_float(v + 16), v2 = bf16x16_to_float(v + 32),
+                       v3 = bf16x16_to_float(v + 48);
+          for (int64_t g = 0; g < 4; ++g) {
+            if (g >= heads) break;
+            const __m512 p = _mm512_set1_ps(sc[g * KEYS_PER_TASK + i]);
+            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+          }
+        }
+        for (int64_t g = 0; g < heads; ++g) {
+          float* out = part + (h * G + g0 + g) * stride + 2 + d0;
+          for (int64_t x = 0; x < 4; ++x) _mm512_storeu_ps(out + 16 * x, acc[g][x]);
+        }
+      }
+}
+#else
+constexpr bool kBf16Path = false;
+#endif
+
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const int32_t* tables, int64_t width, const std::vector<int64_t>& starts,
                       const std::vector<int64_t>& lens, double scale_d, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, slot = Hkv * D;
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), slot = Hkv * D;
   const float scale = static_cast<float>(scale_d);
-  std::vector<Chunk> chunks;
   std::vector<int64_t> first_chunk(B + 1);
-  for (int64_t b = 0; b < B; ++b) {
-    first_chunk[b] = static_cast<int64_t>(chunks.size());
-    for (int64_t lo = starts[b]; lo < lens[b]; lo += KEYS_PER_TASK)
-      chunks.push_back({b, lo, std::min(lens[b], lo + KEYS_PER_TASK)});
-  }
-  first_chunk[B] = static_cast<int64_t>(chunks.size());
+  const std::vector<Chunk> chunks = plan_chunks(starts, lens, first_chunk);
   // per (chunk, query head): the chunk's max score, its sum of exp, and its unnormalized output [D]
   const int64_t stride = D + 2;
   std::vector<float> partial(static_cast<size_t>(chunks.size() * Hq * stride));
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
+  const bool bf16_path = kBf16Path && std::is_same<T, c10::BFloat16>::value && D % 64 == 0;
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Hq * D), row(slot), rows(4 * slot), scores(Hq * KEYS_PER_TASK), acc(Hq * D);
-    std::vector<int64_t> offsets(KEYS_PER_TASK);
+    ChunkScratch scratch(Hq, D, slot);
     for (int64_t task = begin; task < end; ++task) {
       const Chunk c = chunks[task];
-      const int64_t n = c.hi - c.lo;
-      load_float(qp + c.seq * Hq * D, qf.data(), Hq * D);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = c.lo + i;
-        offsets[i] = (static_cast<int64_t>(tables[c.seq * width + pos / BS]) * BS + pos % BS) * slot;
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        if (i + PREFETCH_KEYS < n) prefetch(kp + offsets[i + PREFETCH_KEYS], slot);
-        load_float(kp + offsets[i], row.data(), slot);
-        for (int64_t h = 0; h < Hkv; ++h)
-          for (int64_t g = 0; g < G; ++g)
-            scores[(h * G + g) * KEYS_PER_TASK + i] = scale * dot(qf.data() + (h * G + g) * D, row.data() + h * D, D);
-      }
+      for (int64_t pos = c.lo; pos < c.hi; ++pos)
+        scratch.offsets[pos - c.lo] = (static_cast<int64_t>(tables[c.seq * width + pos / BS]) * BS + pos % BS) * slot;
       float* part = partial.data() + task * Hq * stride;
-      for (int64_t head = 0; head < Hq; ++head) {
-        float* s = scores.data() + head * KEYS_PER_TASK;
-        const float m = max_of(s, n);
-        part[head * stride] = m;
-        part[head * stride + 1] = exp_shifted_sum(s, n, m);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if (bf16_path) {
+        decode_chunk_bf16(c, reinterpret_cast<const uint16_t*>(qp), reinterpret_cast<const uint16_t*>(kp),
+                          reinterpret_cast<const uint16_t*>(vp), Hq, Hkv, D, scale, scratch, part);
+        continue;
       }
-      // the weighted sum of values, four keys per pass over the accumulators: one load and store of each
-      // accumulator per four keys (one per key made those stores the kernel's bottleneck)
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i0 = 0; i0 < n; i0 += 4) {
-        const int64_t keys = std::min<int64_t>(4, n - i0);
-        for (int64_t j = 0; j < 4; ++j) {
-          if (i0 + j + PREFETCH_KEYS < n) prefetch(vp + offsets[i0 + j + PREFETCH_KEYS], slot);
-          if (j < keys) load_float(vp + offsets[i0 + j], rows.data() + j * slot, slot);
-          else std::fill(rows.begin() + j * slot, rows.begin() + (j + 1) * slot, 0.f);
-        }
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const float* v0 = rows.data() + h * D;
-          const float* v1 = v0 + slot;
-          const float* v2 = v1 + slot;
-          const float* v3 = v2 + slot;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* sc = scores.data() + (h * G + g) * KEYS_PER_TASK + i0;
-            const float p0 = sc[0], p1 = keys > 1 ? sc[1] : 0.f, p2 = keys > 2 ? sc[2] : 0.f,
-                        p3 = keys > 3 ? sc[3] : 0.f;
-            float* a = acc.data() + (h * G + g) * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-          }
-        }
-      }
-      for (int64_t head = 0; head < Hq; ++head)
-        std::copy(acc.begin() + head * D, acc.begin() + (head + 1) * D, part + head * stride + 2);
+#endif
+      decode_chunk(c, qp, kp, vp, Hq, Hkv, D, scale, scratch, part);
     }
   });
   // merge each sequence's chunks: softmax over the union = chunks weighted by e^(max_c - max)
