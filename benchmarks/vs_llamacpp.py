@@ -35,7 +35,8 @@ average before and after, the CPU model and flags, versions; and the KL cost of 
 int4 GEMV's int8 activations (full-vocabulary KL against the 16-bit base, and native against aten's int4 op, on
 held-out windows of the default document set, teacher forced, with a 95% interval over windows).
 
-Writes benchmarks/results/vs-llamacpp-<model>-cpu.json.
+Writes benchmarks/results/vs-llamacpp-<model>-<cpu>.json, <cpu> naming the CPU kind (xeon-avx512amx, epyc-avx512,
+epyc-avx2): each kind keeps its own results.
 """
 
 from __future__ import annotations
@@ -166,6 +167,13 @@ def cpu_facts() -> dict:
     isa = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
     kind = "avx512+amx" if "amx_tile" in flags else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
     return {"model": model, "isa_flags": sorted(isa), "kind": kind, "cores": os.cpu_count()}
+
+
+def cpu_tag(facts: dict) -> str:
+    """The results file's CPU part, e.g. "xeon-avx512amx" or "epyc-avx2": each CPU kind keeps its own file."""
+    name = facts["model"].lower()
+    vendor = next((v for v in ("xeon", "epyc", "ryzen", "core") if v in name), "cpu")
+    return f"{vendor}-{facts['kind'].replace('+', '')}"
 
 
 # tokq side -----------------------------------------------------------------------------------------------
@@ -435,7 +443,7 @@ def main() -> None:
     if args.kl_only:
         from tokq.engine.tokenizer import load_tokenizer
 
-        out = args.out or RESULTS / f"vs-llamacpp-{args.model}-cpu.json"
+        out = args.out or RESULTS / f"vs-llamacpp-{args.model}-{cpu_tag(cpu_facts())}.json"
         result = json.loads(out.read_text(encoding="utf-8"))
         path, models = tokq_models(args.model)
         result["lm_head_kl"] = quality_costs(models, path, load_tokenizer(path), args.kl_windows)
@@ -568,7 +576,7 @@ def main() -> None:
                  "prefill. bytes_per_token = weights at stored size + the KV cache at the mean context; "
                  "roofline_fraction = tok/s x bytes_per_token / copy bandwidth (read+write counted) of the same run.",
     }
-    out = args.out or RESULTS / f"vs-llamacpp-{args.model}-cpu{'-quick' if args.quick else ''}.json"
+    out = args.out or RESULTS / f"vs-llamacpp-{args.model}-{cpu_tag(cpu_facts())}{'-quick' if args.quick else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps({"ratios": {k: round(v["median"], 3) for k, v in ratios.items()},
                       "lm_head_kl": kl}, indent=2))
