@@ -70,7 +70,8 @@ except ModuleNotFoundError:  # Python 3.10
 MIB = 1 << 20
 MARKER = ".tokq-owner.json"
 CLASSES = ("clean_error", "handled", "traceback", "hang", "silent_wrong", "data_lost", "other")
-AREAS = ("data loss", "tokq.toml", "injection", "data folder", "models/configs", "CLI/verdicts", "files")
+AREAS = ("data loss", "tokq.toml", "injection", "data folder", "models/configs", "CLI/verdicts", "files",
+         "forged verdicts")
 PAYLOAD = '<script>alert(1)</script>"><img src=x onerror=alert(1)>'
 FOLDER_PAYLOAD = "m<script>alert(1)<img src=x onerror=alert(1)>"  # no '/': it is a folder name
 LEFTOVER = re.compile(r"^\..+\.(tmp|old)-|^\..+\.lock$")
@@ -370,9 +371,14 @@ class Probe:
     def copy_ck(self, name: str = "m", source: Path | None = None) -> Path:
         return Path(shutil.copytree(source or self.shared.ck, self.root / name))
 
-    def gate_project(self, variants: str = 'same = "base"', extra: str = "", owned: bool = False) -> Path:
-        """tokq.toml whose gate needs no quantization: the base against itself (tests/hostile/test_files.py)."""
+    def gate_project(self, variants: str = 'same = "same"', extra: str = "", owned: bool = False) -> Path:
+        """tokq.toml whose gate needs no quantization: the base against a near copy of itself (the base itself,
+        byte for byte, is refused since issue 34; tests/hostile/test_files.py)."""
+        from tests.test_models_vs_hf import near_copy
+
         (self.project / "base").symlink_to(self.shared.ck)
+        if '"same"' in variants:
+            near_copy(self.shared.ck, self.project / "same")
         text = (f'[base]\nmodel = "base"\ndtype = "fp32"\n\n[variants]\n{variants}\n\n'
                 f'[data.docs]\npath = "{self.shared.docs}"\nwindow = 128\n\n[gate.quality]\nmax_kl = 0.05\n{extra}')
         path = self.project / "tokq.toml"
@@ -1815,6 +1821,327 @@ def probe_gate_unknown_variant(p: Probe) -> str:
     p.gate_project(owned=True)
     r = p.tokq("gate", "--out", "report", "--no-speed", "--threads", "1", "--variant", "nosuch")
     return p.error(r, 2, "nosuch", absent=(p.project / "report",))
+
+
+# --- issue 34: verdicts no input can forge, and what is read before them -----------------------------------------
+
+class FakeServer:
+    """An OpenAI-compatible completions endpoint in this process that answers what a hostile server would:
+    `answer(body) -> (status, headers, bytes)`, or a handler that trickles."""
+
+    def __init__(self, answer):
+        import http.server
+
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, {}, json.dumps({"data": [{"id": "m"}]}).encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                outer.auth.append(self.headers.get("Authorization", ""))
+                status, headers, raw = outer.answer(body)
+                if raw is None:  # trickle: a byte every 0.5 s, for ever
+                    self.send_response(200)
+                    self.send_header("Content-Length", "100000")
+                    self.end_headers()
+                    try:
+                        for _ in range(100000):
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                            time.sleep(0.5)
+                    except OSError:
+                        return
+                    return
+                self._send(status, headers, raw)
+
+            def _send(self, status, headers, raw):
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.answer, self.auth = answer, []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+def _lying_answer(lie: str):
+    """prompt_logprobs for the sent ids, each position's alternatives made to lie the way `lie` says."""
+    def answer(body):
+        ids = body["prompt"]
+        k = int(body.get("prompt_logprobs") or 5)
+        rows = [None]
+        for t in ids[1:]:
+            alts = {str((t + j) % 200): {"logprob": -1.0 - j, "rank": j + 1} for j in range(k)}
+            if lie == "positive":
+                alts = {key: {**v, "logprob": 0.7} for key, v in alts.items()}  # raw logits, say
+            elif lie == "mass":
+                alts = {key: {**v, "logprob": -0.05} for key, v in alts.items()}
+            elif lie == "nan":
+                alts[str(t)] = {"logprob": float("nan"), "rank": 1}
+            elif lie == "only-sampled":
+                alts = {str(t): {"logprob": -0.5, "rank": 1}}
+            rows.append(alts)
+        text = json.dumps({"choices": [{"prompt_token_ids": ids, "prompt_logprobs": rows, "text": ""}]})
+        return 200, {}, text.encode()  # json writes NaN as NaN, which Python's json (and tokq's client) reads
+    return answer
+
+
+def _url_compare(p: Probe, server: FakeServer, *extra_args, url: str | None = None) -> Result:
+    side = f"url=http://{url or server.host}/v1#model=m&topk=5"
+    return p.tokq("compare", p.shared.ck, side, "--data", p.shared.docs, *COMPARE, "--max-kl", "0.5",
+                  "--json", "cmp.json", *extra_args)
+
+
+@case("forged verdicts", "exit 2: a URL side answering positive log-probabilities is refused (was a PASS)")
+def probe_url_positive_logprobs(p: Probe) -> str:
+    server = FakeServer(_lying_answer("positive"))
+    try:
+        return p.error(_url_compare(p, server), 2, "> 0", absent=(p.project / "cmp.json",))
+    finally:
+        server.close()
+
+
+@case("forged verdicts", "exit 2: a URL side whose top-k probabilities sum above 1 is refused (was a PASS)")
+def probe_url_mass_above_one(p: Probe) -> str:
+    server = FakeServer(_lying_answer("mass"))
+    try:
+        return p.error(_url_compare(p, server), 2, "sum to", absent=(p.project / "cmp.json",))
+    finally:
+        server.close()
+
+
+@case("forged verdicts", "exit 2: a NaN log-probability from a URL side is refused (was read as -inf)")
+def probe_url_nan_logprob(p: Probe) -> str:
+    server = FakeServer(_lying_answer("nan"))
+    try:
+        return p.error(_url_compare(p, server), 2, "NaN", absent=(p.project / "cmp.json",))
+    finally:
+        server.close()
+
+
+@case("forged verdicts", "exit 2: a URL side listing only the sampled token is refused (was top-1 0%)")
+def probe_url_only_sampled(p: Probe) -> str:
+    server = FakeServer(_lying_answer("only-sampled"))
+    try:
+        return p.error(_url_compare(p, server), 2, "alternatives", absent=(p.project / "cmp.json",))
+    finally:
+        server.close()
+
+
+@case("forged verdicts", "exit 2: malformed JSON shapes from a URL side are one clean error each")
+def probe_url_malformed_shapes(p: Probe) -> str:
+    shapes = [[], {"choices": "x"}, {"choices": [{"prompt_logprobs": [None, ["a", 1]]}]},
+              {"choices": [{"prompt_logprobs": [None, {"5": 3}]}]}, {"choices": [{"prompt_token_ids": ["a"]}]}]
+    worst = "clean_error"
+    for shape in shapes:
+        server = FakeServer(lambda body, shape=shape: (200, {}, json.dumps(shape).encode()))
+        try:
+            r = _url_compare(p, server)
+            if r.crashed():
+                return "traceback"
+            if r.code != 2 or "error:" not in r.err:
+                raise Unexpected(f"shape {str(shape)[:40]}: exit {r.code}: {r.first_line()}")
+        finally:
+            server.close()
+    return worst
+
+
+@case("forged verdicts", "exit 2: a bad IPv6 URL side is one clean error")
+def probe_url_bad_ipv6(p: Probe) -> str:
+    r = p.tokq("compare", p.shared.ck, "url=http://[::1/v1", "--data", p.shared.docs, *COMPARE)
+    return p.error(r, 2, "malformed")
+
+
+@case("forged verdicts", "handled: a URL with user:password never shows the password (errors, JSON, report)")
+def probe_url_credentials_redacted(p: Probe) -> str:
+    server = FakeServer(_lying_answer("positive"))
+    try:
+        r = _url_compare(p, server, url=f"alice:s3cret@{server.host}")
+    finally:
+        server.close()
+    p.check("s3cret" not in r.out + r.err, "the password is printed")
+    p.check(any(a.startswith("Basic ") for a in server.auth), "the credentials were not sent as basic auth")
+    for path in p.project.rglob("*"):
+        if path.is_file():
+            p.check(b"s3cret" not in path.read_bytes(), f"{p.rel(path)} holds the password")
+    return "handled"
+
+
+@case("forged verdicts", "exit 2 within ~--timeout: a server trickling bytes cannot hang compare")
+def probe_url_trickle_timeout(p: Probe) -> str:
+    server = FakeServer(lambda body: (200, {}, None))
+    try:
+        r = _url_compare(p, server, "--timeout", "3")
+    finally:
+        server.close()
+    p.check(r.seconds < 60, f"took {r.seconds:.0f} s")
+    return p.error(r, 2, "timeout")
+
+
+@case("forged verdicts", "exit 2: a gzip bomb answer is refused at the size cap (RSS stays low)")
+def probe_url_gzip_bomb(p: Probe) -> str:
+    bomb = gzip.compress(b"0" * (300 << 20), compresslevel=9)
+    server = FakeServer(lambda body: (200, {"Content-Encoding": "gzip"}, bomb))
+    try:
+        r = _url_compare(p, server)
+    finally:
+        server.close()
+    p.notes.append(f"peak RSS {r.maxrss_mib:.0f} MiB")
+    p.check(r.maxrss_mib is None or r.maxrss_mib < 900, f"peak RSS {r.maxrss_mib} MiB")
+    return p.error(r, 2, "larger than")
+
+
+@case("forged verdicts", "exit 2: a variant that is a symlink to the base is refused (was a PASS)")
+def probe_variant_symlink_to_base(p: Probe) -> str:
+    (p.project / "alias").symlink_to(p.shared.ck)
+    p.gate_project('v = "alias"')
+    r = p.tokq("gate", "--out", "report", "--no-speed", "--threads", "1")
+    return p.error(r, 2, "byte for byte", absent=(p.project / "report",))
+
+
+@case("forged verdicts", "exit 2: a variant that is a byte copy of the base is refused (was a PASS)")
+def probe_variant_copy_of_base(p: Probe) -> str:
+    shutil.copytree(p.shared.ck, p.project / "copy")
+    p.gate_project('v = "copy"')
+    r = p.tokq("gate", "--out", "report", "--no-speed", "--threads", "1")
+    return p.error(r, 2, "byte for byte", absent=(p.project / "report",))
+
+
+@case("forged verdicts", "exit 2: max_kl = 1e308 (a rule no data could fail) is a config error")
+def probe_rule_cannot_fail_toml(p: Probe) -> str:
+    path = p.gate_project()
+    path.write_text(path.read_text().replace("max_kl = 0.05", "max_kl = 1e308"))
+    r = p.tokq("gate", "--out", "report", "--no-speed", "--threads", "1")
+    return p.error(r, 2, "cannot fail", absent=(p.project / "report",))
+
+
+@case("forged verdicts", "exit 2: compare --max-kl 1e308 is refused before scoring")
+def probe_rule_cannot_fail_cli(p: Probe) -> str:
+    r = p.tokq("compare", p.shared.ck, p.shared.ck, "--data", p.shared.docs, *COMPARE, "--max-kl", "1e308")
+    return p.error(r, 2, "cannot fail")
+
+
+@case("forged verdicts", "exit 2: min_tpot_speedup = 0 (a speed rule that cannot fail) is a config error")
+def probe_speed_rule_cannot_fail(p: Probe) -> str:
+    p.gate_project(extra="\n[gate.speed]\nmin_tpot_speedup = 0\n")
+    r = p.tokq("gate", "--out", "report", "--threads", "1")
+    return p.error(r, 2, "cannot fail", absent=(p.project / "report",))
+
+
+@case("forged verdicts", "exit 2: a recipe hash copied from another build onto other weights is not trusted")
+def probe_forged_recipe_hash(p: Probe) -> str:
+    path = p.gate_project('v = { path = "built/v", recipe = { method = "rtn", group_size = 32 } }')
+    p.ok(p.tokq("gate", "--out", "r1", "--no-speed", "--threads", "1"), 0)
+    built = p.project / "built" / "v"
+    record = (built / "tokq_quantization.json").read_bytes()
+    forged = p.project / "forged"
+    r = p.tokq("quantize", "--model", p.shared.ck, "--out", forged, "--threads", 1, "--method", "rtn",
+               "--group-size", 64)
+    p.ok(r, 0)
+    shutil.rmtree(built)
+    shutil.copytree(forged, built)
+    (built / "tokq_quantization.json").write_bytes(record)  # the other build's record, hash and all
+    r = p.tokq("gate", "--out", "r2", "--no-speed", "--threads", "1", "--config", path)
+    return p.error(r, 2, "cannot be trusted", absent=(p.project / "r2",))
+
+
+@case("forged verdicts", "exit 2: hidden_act banana is refused naming config.json")
+def probe_config_hidden_act(p: Probe) -> str:
+    m = p.copy_ck()
+    _edit_config(m, hidden_act="banana")
+    return _score_model(p, m, "hidden_act = 'banana' is not supported")
+
+
+@case("forged verdicts", "exit 2: a RoPE scaling factor of 0 is refused (was used as 1)")
+def probe_config_rope_factor_zero(p: Probe) -> str:
+    m = p.copy_ck()
+    _edit_config(m, rope_parameters={"rope_theta": 10000.0, "rope_type": "linear", "factor": 0.0})
+    return _score_model(p, m, "rope factor = 0.0")
+
+
+@case("forged verdicts", "exit 2: tie_word_embeddings true over a distinct lm_head is refused (was dropped)")
+def probe_config_tied_distinct_head(p: Probe) -> str:
+    m = p.copy_ck()
+    _edit_config(m, tie_word_embeddings=True)
+    return _score_model(p, m, "tie_word_embeddings = true")
+
+
+def _quantized_scales(p: Probe, fill) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    out = p.root / "q"
+    p.ok(p.tokq("quantize", "--model", p.shared.ck, "--out", out, *QUANT), 0)
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    name = next(k for k in tensors if k.endswith("weight_scale"))
+    tensors[name] = fill(tensors[name])
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return out
+
+
+@case("forged verdicts", "exit 2: an int32 weight_scale is refused (was read)")
+def probe_scale_int32(p: Probe) -> str:
+    return _score_model(p, _quantized_scales(p, lambda s: (s * 1000).to(torch_int32())), "dtype torch.int32")
+
+
+@case("forged verdicts", "exit 2: a negative weight_scale is refused (was read)")
+def probe_scale_negative(p: Probe) -> str:
+    return _score_model(p, _quantized_scales(p, lambda s: -s), "negative or not finite")
+
+
+@case("forged verdicts", "exit 2: an all-zero weight_scale is refused (was read)")
+def probe_scale_zero(p: Probe) -> str:
+    return _score_model(p, _quantized_scales(p, lambda s: s * 0), "all zeros")
+
+
+def torch_int32():
+    import torch
+
+    return torch.int32
+
+
+@case("forged verdicts", "exit 2: --kv-cache-strategy tensor without --kv-cache is refused (was ignored)")
+def probe_kv_strategy_without_kv_cache(p: Probe) -> str:
+    r = p.tokq("quantize", "--model", p.shared.ck, "--out", p.root / "q", *QUANT, "--kv-cache-strategy", "tensor")
+    return p.error(r, 2, "--kv-cache-strategy", absent=(p.root / "q",))
+
+
+@case("forged verdicts", "handled: 1500 nested folders are walked without recursion (the deep one reported)")
+def probe_deep_folders(p: Probe) -> str:
+    folder = p.root / "deep"
+    shutil.copytree(p.shared.docs, folder)
+    cur = folder
+    for _ in range(1500):
+        cur = cur / "d"
+        try:
+            cur.mkdir()
+        except OSError:
+            break
+    r = p.tokq("data", "inspect", folder)
+    if r.crashed():
+        return "traceback"
+    p.ok(r, 0, "deeper than")
+    return "handled"
+
+
+@case("forged verdicts", "exit 2: tokq init --path FOLDER --force is refused (was a traceback)")
+def probe_init_path_folder(p: Probe) -> str:
+    (p.project / "afolder").mkdir()
+    r = p.tokq("init", "--path", "afolder", "--force")
+    return p.error(r, 2, "is a folder")
 
 
 # ------------------------------------------------------------------------------------------------------------

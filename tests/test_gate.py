@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_models_vs_hf import make_hf_checkpoint
+from tests.test_models_vs_hf import make_hf_checkpoint, near_copy
 from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
 
@@ -27,6 +27,7 @@ def project(tmp_path_factory) -> Path:
     for name, seed in (("base", 0), ("damaged", 1)):
         make_hf_checkpoint("llama", root / name, seed=seed)
         save_word_tokenizer(root / name)
+    near_copy(root / "base", root / "same")  # the base's weights, not its bytes (a byte-identical copy is refused)
     docs = root / "docs"
     docs.mkdir()
     rng = random.Random(0)
@@ -37,7 +38,7 @@ model = "{root / 'base'}"
 dtype = "fp32"
 
 [variants]
-same = "base"
+same = "same"
 damaged = {{ path = "damaged" }}
 rtn = {{ path = "built/rtn", recipe = {{ method = "rtn", group_size = 32 }} }}
 
@@ -63,7 +64,7 @@ max_memory_ratio = 1.5
 
 def absolute(text: str, project: Path) -> str:
     """The project's tokq.toml with its relative paths made absolute (to copy it elsewhere)."""
-    for rel in ("docs", "base", "damaged", "built/rtn"):
+    for rel in ("docs", "base", "same", "damaged", "built/rtn"):
         text = text.replace(f'"{rel}"', f'"{project / rel}"')
     return text
 
@@ -86,7 +87,7 @@ def test_good_variant_passes_and_damaged_fails(project, tmp_path, capsys):
     # report.json is the source of truth: what ran, on what, with which inputs.
     assert report["versions"]["torch"] and report["runtime"]["hardware"] and len(report["config_sha256"]) == 64
     hashes = {name: (v["compare"]["a"]["sha256"], v["compare"]["b"]["sha256"]) for name, v in report["variants"].items()}
-    assert hashes["same"][0] == hashes["same"][1] == hashes["damaged"][0] != hashes["damaged"][1]
+    assert hashes["same"][0] == hashes["damaged"][0] != hashes["damaged"][1] != hashes["same"][1]
     assert same["compare"]["data_sha256"] == damaged["compare"]["data_sha256"]
     out = tmp_path / "report"
     assert sorted(p.name for p in out.iterdir()) == [".tokq-owner.json", "junit.xml", "report.html", "report.json",
@@ -133,6 +134,10 @@ def test_speed_rule_fails_honestly(project, tmp_path):
      "tokq.toml:2: [base] model = '/no/such/model': model directory /no/such/model does not exist"),
     (lambda s: s.replace('damaged = { path = "damaged" }', 'damaged = { path = "gone" }'),
      "tokq.toml:7: [variants] damaged points at"),
+    # the base itself as a variant would pass every rule: refused, however it is reached
+    (lambda s: s.replace('same = "same"', 'same = "base"'), "whose weights and config are the base's byte for byte"),
+    (lambda s: s.replace("max_kl = 0.05", "max_kl = 1e308"), "max_kl = 1e+308 cannot fail"),
+    (lambda s: s.replace("max_memory_ratio = 1.5", "min_tpot_speedup = 0"), "min_tpot_speedup = 0 cannot fail"),
 ])
 def test_bad_config_exits_2(project, tmp_path, capsys, edit, message):
     path = tmp_path / "tokq.toml"
@@ -141,6 +146,20 @@ def test_bad_config_exits_2(project, tmp_path, capsys, edit, message):
     assert main(["gate", "--config", str(path), "--out", str(out), "--no-speed"]) == 2
     assert message in capsys.readouterr().err.replace("\n", " ")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("how", ["symlink", "copy"])
+def test_a_variant_that_is_the_base_is_refused(project, tmp_path, capsys, how):
+    """A link to the base's folder, or a byte-identical copy of it, is not a build to gate (issue 34: it passed)."""
+    alias = tmp_path / "alias"
+    alias.symlink_to(project / "base") if how == "symlink" else shutil.copytree(project / "base", alias)
+    path = tmp_path / "tokq.toml"
+    path.write_text(absolute((project / "tokq.toml").read_text(), project).replace(
+        f'same = "{project / "same"}"', f'same = "{alias}"'))
+    out = tmp_path / "report"
+    assert main(["gate", "--config", str(path), "--out", str(out), "--no-speed"]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "[variants] same points at" in err and "the base's byte for byte" in err and not out.exists()
 
 
 def test_out_that_is_not_a_report_folder_is_refused(project, tmp_path, capsys):
@@ -276,11 +295,12 @@ def test_relative_base_is_the_one_next_to_tokq_toml(project, tmp_path, monkeypat
     folder.mkdir()
     path = folder / "tokq.toml"
     path.write_text(_own_project(project, folder).read_text().replace(
-        'rtn = { path = "built/rtn", recipe = { method = "rtn", group_size = 32 } }', 'same = "base"'))
+        'rtn = { path = "built/rtn", recipe = { method = "rtn", group_size = 32 } }', 'same = "same"'))
+    near_copy(folder / "base", folder / "same")
     code, report = _gate_at(path, tmp_path / "report")
     assert report["base_checkpoint"] == str(folder / "base")
     a, b = report["variants"]["same"]["compare"]["a"], report["variants"]["same"]["compare"]["b"]
-    assert code == 0 and a["sha256"] == b["sha256"] and a["checkpoint"] == str(folder / "base")
+    assert code == 0 and a["checkpoint"] == str(folder / "base") and b["checkpoint"] == str(folder / "same")
 
 
 def test_recipe_hash_reuse_rebuild_and_interrupted_rebuild(project, tmp_path, monkeypatch, capsys):

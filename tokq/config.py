@@ -249,8 +249,8 @@ def load_project(path: Path) -> Project:
         key = "ci"
     if key in quality:
         if quality[key] not in ("bound", "point"):
-            raise check.fail("gate.quality", key, f"= {quality[key]!r} must be \"bound\" (fail when the 95% CI's "
-                                                  "unfavourable bound crosses the threshold) or \"point\"")
+            raise check.fail("gate.quality", key, f"= {quality[key]!r} must be \"bound\" (the 95% CI decides: pass, "
+                                                  "fail or inconclusive) or \"point\" (the estimate decides)")
         project.threshold_on = quality[key]
     project.quality = _rules(check, {"quality": {k: v for k, v in quality.items() if k not in ("threshold_on", "ci")}},
                              "gate.quality", QUALITY_RULES, buckets=True)

@@ -82,10 +82,17 @@ def check_url_variant(check: Checker, name: str, entry: dict) -> tuple[str, str 
             raise check.fail("variants", name, f"has url and {key!r}: a url variant (a served model) takes only url "
                                                "and model; it cannot be quantized or rebuilt, so give path/recipe "
                                                "to another variant")
+    from tokq.errors import ConfigError
+    from tokq.remote.urls import check_http_url, redact
+
     url = check.string("variants", name, entry["url"])
     if not url.startswith(("http://", "https://")) or "#" in url:
-        raise check.fail("variants", name, f"url = {url!r} must be an http(s) address without '#', e.g. "
+        raise check.fail("variants", name, f"url = {redact(url)!r} must be an http(s) address without '#', e.g. "
                                            "\"http://127.0.0.1:8000/v1\"")
+    try:
+        check_http_url(url, "url =")
+    except ConfigError as exc:
+        raise check.fail("variants", name, exc.message) from None
     model = entry.get("model")
     if model is not None:
         model = check.string("variants", name, model)

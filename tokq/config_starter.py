@@ -30,7 +30,8 @@ max_seconds = 60              # paired speed experiment per variant: base and va
                               # interval misses it, and is "inconclusive" (exit 3) otherwise
 
 [gate.quality]
-# A rule fails when the 95% confidence interval's unfavourable bound crosses it
+# A rule passes when the whole 95% confidence interval meets it, fails when the whole interval misses it,
+# and is inconclusive (exit 3) when the interval holds it
 # (threshold_on = "point": when the estimate does; the CI is still reported).
 threshold_on = "bound"
 max_kl = 0.05                 # mean KL(base || variant), or per bucket: { overall = 0.05, "4K-8K" = 0.1 }

@@ -81,6 +81,7 @@ class CompareSettings:
     max_file_mb: float = DEFAULT_MAX_FILE_MB
     seed: int = 0
     max_concurrency: int = 8  # requests in flight to a URL side (tokq.remote.endpoint_scoring)
+    timeout: float = 600.0  # seconds a URL side's request may take in all, retries included (remote/http.py)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.hostile.conftest import write_word_docs
+from tests.test_models_vs_hf import near_copy
 from tokq.cli import main
 from tokq.config import find_variant, tomllib  # tomllib, or tomli before Python 3.11
 
@@ -45,9 +46,12 @@ def quantize(capsys, checkpoint: Path, out: Path, *extra) -> tuple[int, str]:
                "--group-size", 32, *extra)
 
 
-def gate_project(root: Path, checkpoint: Path, docs: Path, variants: str = 'same = "base"') -> Path:
-    """A tokq.toml whose gate needs no quantization: the base against itself."""
+def gate_project(root: Path, checkpoint: Path, docs: Path, variants: str = 'same = "same"') -> Path:
+    """A tokq.toml whose gate needs no quantization: the base against a near copy of itself (the base itself, byte
+    for byte, is refused)."""
     (root / "base").symlink_to(checkpoint)
+    if "same" in variants:
+        near_copy(checkpoint, root / "same")
     path = root / "tokq.toml"
     path.write_text(f'[base]\nmodel = "base"\ndtype = "fp32"\n\n[variants]\n{variants}\n\n'
                     f'[data.docs]\npath = "{docs}"\nwindow = 128\n\n[gate.quality]\nmax_kl = 0.05\n')
@@ -111,7 +115,7 @@ def test_gate_replaces_its_own_and_an_earlier_tokq_report(capsys, checkpoint, do
     assert run(capsys, "gate", "--config", path, "--out", out, "--no-speed", "--threads", 1)[0] == 0
     assert json.loads((out / "report.json").read_text())["command"] == "gate"
     assert run(capsys, "gate", "--config", path, "--out", out, "--no-speed", "--threads", 1)[0] == 0
-    assert sorted(p.name for p in project.iterdir()) == ["base", "report", "tokq.toml"]  # no lock or temp left
+    assert sorted(p.name for p in project.iterdir()) == ["base", "report", "same", "tokq.toml"]  # no lock or temp
 
 
 def test_quantize_force_over_a_user_folder_is_refused(capsys, checkpoint, project):

@@ -171,6 +171,7 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
         raise ConfigError(f"{a} and {b} use different tokenizers (vocabularies of {len(tok_a.get_vocab())} and "
                           f"{len(tok_b.get_vocab())} tokens): per-token metrics need the same tokens; compare "
                           "variants of one model")
+    identical = _identical_weights(a, ckpt_a, b, ckpt_b)
     topk = min(s.topk, config_a.vocab_size)  # more than the vocabulary is all of it: the KL is exact
     data, docs, windows, add_bos = document_windows(data, tok_a, window, s, limits)
     check_windows_fit(windows.windows, config_a.vocab_size, a, tok_a)
@@ -221,7 +222,23 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
     # what each side's cache was (A's may come from the baseline cache and then was not loaded this run)
     result["kv_cache"] = {side: kv_caches[side] for side in ("a", "b") if kv_caches.get(side)}
     result["calibration_distance"] = calibration_distances({"a": (a, ckpt_a), "b": (b, ckpt_b)}, windows)
+    if identical:
+        result["identical_weights"] = identical
     return CompareResult(result)
+
+
+def _identical_weights(a: str, ckpt_a: Path, b: str, ckpt_b: Path) -> dict | None:
+    """A warning record when both sides hold the same weights and config byte for byte (a link, a copy, the same
+    folder twice): every difference such a compare measures is noise, and its rules cannot fail."""
+    from tokq.evalsuite.baseline_cache import model_hash
+
+    digest = model_hash(ckpt_a)
+    if digest != model_hash(ckpt_b):
+        return None
+    warning = (f"{a} and {b} hold the same weights and config byte for byte (sha256 {digest[:12]}): this is an A/A "
+               "comparison, every difference is noise and no rule can fail; compare against the quantized checkpoint")
+    console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    return {"sha256": digest, "warning": warning}
 
 
 def calibration_distances(sides: dict[str, tuple[str, Path]], windows) -> dict:

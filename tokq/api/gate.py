@@ -66,10 +66,11 @@ class GateResult:
 
 def gate(config: str | Path | None = None, *, variants: list[str] | None = None, data: str | Path | None = None,
          report_dir: str | Path = "tokq_gate", no_speed: bool = False, threads: int | None = None,
-         device: str = "auto", seed: int = 0) -> GateResult:
+         device: str = "auto", seed: int = 0, timeout: float = 600.0) -> GateResult:
     """Gate the variants of `config` (default: $TOKQ_CONFIG or the nearest tokq.toml) on quality and speed.
 
-    `data` is a [data.NAME] set name or a folder (default: the first set). Bad input raises tokq.errors.TokqError
+    `data` is a [data.NAME] set name or a folder (default: the first set). `timeout`: seconds one request to a
+    url variant may take in all (scoring and the HTTP bench). Bad input raises tokq.errors.TokqError
     (ConfigError names the tokq.toml line); the verdict is in the result, never an exception.
     """
     from tokq.config import find_config, load_project
@@ -78,6 +79,8 @@ def gate(config: str | Path | None = None, *, variants: list[str] | None = None,
     from tokq.runtime import setup_runtime
 
     runtime = setup_runtime(threads, device, seed)
+    if not 0 < timeout < float("inf"):
+        raise ConfigError(f"--timeout {timeout}: must be a finite number of seconds > 0")
     path = Path(config) if config is not None else find_config()
     if path is None:
         raise ConfigError("no tokq.toml here or above: run `tokq init`, or pass --config PATH")
@@ -95,7 +98,7 @@ def gate(config: str | Path | None = None, *, variants: list[str] | None = None,
     data_set = _data_set(project, path, data)
     base = base_checkpoint(project)
     for name in names:
-        _check_variant(project, name)
+        _check_variant(project, name, base)
     out = Path(report_dir)
     check_report_folder(out)
 
@@ -117,7 +120,7 @@ def gate(config: str | Path | None = None, *, variants: list[str] | None = None,
                   "variants": {}}
         for name in names:
             report["variants"][name] = _gate_variant(project, name, checkpoints[name], base, data_set, runtime,
-                                                     seed, no_speed)
+                                                     seed, no_speed, timeout)
         from tokq.evalsuite.gate_rules import overall_result
 
         report["result"] = overall_result([v["result"] for v in report["variants"].values()])
@@ -208,8 +211,10 @@ def variant_target(project, name: str) -> Path:
     return v.path or project.path.parent / "tokq_out" / name
 
 
-def _check_variant(project, name: str) -> None:
-    """Before any work: the checkpoint exists or can be built, and a recipe's checkpoint was built from a recipe."""
+def _check_variant(project, name: str, base: Path) -> None:
+    """Before any work: the checkpoint exists or can be built, a recipe's checkpoint was built from a recipe, and
+    the variant is not the base itself (a symlink to it or a copy: it would pass every quality rule)."""
+    from tokq.evalsuite.baseline_cache import model_hash
     from tokq.quantization.pipeline import recorded_recipe_sha256
 
     if project.variants[name].url:
@@ -221,9 +226,21 @@ def _check_variant(project, name: str) -> None:
                                               "build it: quantize it first or add recipe = { method = ... }")
     if target.is_dir() and recipe is not None and recorded_recipe_sha256(target) is None:
         raise _foreign_checkpoint(project, name, target)
+    if target.is_dir() and model_hash(target) == model_hash(base):
+        raise project.error("variants", name, f"points at {target}, whose weights and config are the base's "
+                                              f"({display_name(project.base)}) byte for byte (a link to it or a "
+                                              "copy): gating it would pass every rule without testing anything; "
+                                              "point it at the quantized checkpoint")
 
 
 def _foreign_checkpoint(project, name: str, target: Path):
+    from tokq.quantization.pipeline import recipe_record_problem
+
+    problem = recipe_record_problem(target)
+    if problem is not None:
+        return project.error("variants", name, f"has a recipe, but its checkpoint {target} cannot be trusted to "
+                                               f"follow it: {problem}; delete the checkpoint so the gate rebuilds "
+                                               "it from the recipe")
     return project.error("variants", name, f"has a recipe, but its checkpoint {target} was not built from a recipe "
                                            "by tokq gate (its tokq_quantization.json records no recipe hash), so "
                                            "nothing says it follows this one: delete the checkpoint so the gate "
@@ -327,14 +344,17 @@ def _recipe_text(recipe: dict) -> str:
 
 
 def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtime, seed: int,
-                  no_speed: bool) -> dict:
+                  no_speed: bool, timeout: float = 600.0) -> dict:
+
+    from dataclasses import replace
 
     from tokq.api.compare import data_set_settings, run_compare_settings
     from tokq.evalsuite.gate_rules import overall_result, speed_verdicts
+    from tokq.remote.urls import redact
 
     console.print(f"[bold]gate {escape(name)}[/]: quality on {escape(f'[data.{data.name}]')}", highlight=False)
     folder, _keys = data_set_settings(data)
-    settings = gate_compare_settings(project, data, seed)
+    settings = replace(gate_compare_settings(project, data, seed), timeout=timeout)
     quality = run_compare_settings(str(base), str(checkpoint), folder, settings, runtime).data
     quality["a"]["name"], quality["b"]["name"] = display_name(project.base), name  # names, never absolute paths
     rules = [{"kind": "quality", **t, "result": t.get("result") or (
@@ -343,11 +363,11 @@ def _gate_variant(project, name: str, checkpoint: Path, base: Path, data, runtim
     if project.speed and not no_speed and project.variants[name].url:
         # a served variant: both sides measured over HTTP by the same client (the base served in this process)
         console.print(f"[bold]gate {escape(name)}[/]: speed on the {escape('[bench]')} workload over HTTP against "
-                      f"{escape(project.variants[name].url)}, paired blocks of requests, "
+                      f"{escape(redact(project.variants[name].url))}, paired blocks of requests, "
                       f"{project.bench.max_seconds:g} s", highlight=False)
         from tokq.api.gate_bench import http_speed_verdicts, paired_http_bench
 
-        bench = paired_http_bench(project, {"base": base, "variant": checkpoint}, runtime, seed)
+        bench = paired_http_bench(project, {"base": base, "variant": checkpoint}, runtime, seed, timeout)
         rules += http_speed_verdicts(project.speed, bench.pop("_analysis"))
     elif project.speed and not no_speed:
         console.print(f"[bold]gate {escape(name)}[/]: speed on the {escape('[bench]')} workload, paired and "

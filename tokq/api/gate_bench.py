@@ -61,7 +61,7 @@ def paired_bench(project, checkpoint: Path, base: Path, runtime, seed: int) -> d
             "memory": {s: sides[s]["memory"] for s in SIDES}, "_analysis": analysis}
 
 
-def paired_http_bench(project, sides: dict[str, str | Path], runtime, seed: int) -> dict:
+def paired_http_bench(project, sides: dict[str, str | Path], runtime, seed: int, timeout: float = 600.0) -> dict:
     """The paired speed experiment over HTTP (remote.paired_http_bench) when a side is a URL: `sides` maps "base"
     and "variant" to a compare side (`url=...#model=...`) or a local checkpoint, which is served in this process
     for the duration, so that both sides are measured by the same client over the same HTTP path."""
@@ -78,6 +78,7 @@ def paired_http_bench(project, sides: dict[str, str | Path], runtime, seed: int)
         run_paired_http,
         serve_checkpoint,
     )
+    from tokq.remote.urls import redact
 
     w = project.bench
     lengths = Workload(w.prompt_len, w.gen_len, w.num_prompts or w.concurrency, w.gen_len_range,
@@ -96,7 +97,7 @@ def paired_http_bench(project, sides: dict[str, str | Path], runtime, seed: int)
         http = {}
         for s in SIDES:
             if specs[s] is not None:
-                http[s] = HttpSide(specs[s].url, specs[s].model, "url")
+                http[s] = HttpSide(specs[s].connect_url, specs[s].model, "url")
                 continue
             # the engine holds the whole block at once: concurrency sequences of prompt + output (+ a BOS, slack)
             url = served.enter_context(serve_checkpoint(
@@ -106,12 +107,12 @@ def paired_http_bench(project, sides: dict[str, str | Path], runtime, seed: int)
         with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=True) as progress:
             task = progress.add_task("paired bench over HTTP: block 0", total=None)
-            trace = run_paired_http(http, tokenizer, workload, budget_s=w.max_seconds, seed=seed,
+            trace = run_paired_http(http, tokenizer, workload, budget_s=w.max_seconds, seed=seed, timeout_s=timeout,
                                     on_block=lambda n, t: progress.update(
                                         task, description=f"paired bench over HTTP: block {n}, {t:.0f} s"))
     analysis = analyze_http(trace, seed=seed)
     load = trace.machine_load
-    side_rows = {s: {"metrics": analysis.metrics[s], "url": http[s].url, "model": trace.models[s],
+    side_rows = {s: {"metrics": analysis.metrics[s], "url": redact(http[s].url), "model": trace.models[s],
                      "served": http[s].served, "stalls": len(analysis.stalls[s]), "memory": None,
                      "kernels": None, "roofline_fraction": None} for s in SIDES}
     return {"over": "http", "urls": trace.urls, "models": trace.models,

@@ -274,6 +274,10 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
                 run.peak_rss_mib = _peak_rss_mib()
             scheme_name = f"16-bit weights, {s.kv_cache} KV" if kv_only else resolved.name if s.mix is None else "mixed (" + ", ".join(
                 f"{k} x{n}" for k, n in resolved.counts().items() if n) + ")"
+        if recipe_sha256 is not None:
+            from tokq.quantization.pipeline import seal_recipe
+
+            seal_recipe(out)  # the weights' hash beside the recipe's: a record copied onto other weights is caught
         peak_gpu = None
         if str(runtime.device).startswith("cuda"):
             import torch
@@ -310,6 +314,9 @@ def check_kv_cache_settings(s: QuantizeSettings) -> None:
         raise ConfigError(f"--kv-cache {s.kv_cache!r}: choose {' or '.join(KV_CACHE_TYPES)}")
     if s.kv_cache_strategy not in STRATEGIES:
         raise ConfigError(f"--kv-cache-strategy {s.kv_cache_strategy!r}: choose {' or '.join(STRATEGIES)}")
+    if s.kv_cache is None and s.kv_cache_strategy != QuantizeSettings.kv_cache_strategy:
+        raise ConfigError(f"--kv-cache-strategy {s.kv_cache_strategy} sets the scales of a quantized KV cache, and "
+                          "no --kv-cache asks for one: add --kv-cache fp8 (or int8), or drop the option")
     if s.kv_cache is not None and s.mix is not None:
         raise ConfigError("--kv-cache with --mix is not supported yet: build the mix first, then compare its KV cache "
                           "with `tokq compare --b-kv-dtype fp8`")

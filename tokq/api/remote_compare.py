@@ -21,9 +21,12 @@ def run_remote_settings(a: str, b: str, data: Path | None, s, runtime, limits, c
     from tokq.evalsuite.compare import ScoringPlan, token_window_docs
     from tokq.evalsuite.remote_compare import Side, run_remote_compare
     from tokq.remote.endpoint_scoring import EndpointScorer, parse_side
+    from tokq.remote.urls import redact
 
     if s.window < 1 or s.topk < 1:
         raise ConfigError("--window and --topk must be >= 1")
+    if not 0 < s.timeout < float("inf"):
+        raise ConfigError(f"--timeout {s.timeout}: must be a finite number of seconds > 0")
     specs = {"a": parse_side(a), "b": parse_side(b)}
     names = {"a": a, "b": b}
     local = {key: resolve_variant(names[key]) for key, spec in specs.items() if spec is None}
@@ -47,7 +50,9 @@ def run_remote_settings(a: str, b: str, data: Path | None, s, runtime, limits, c
     def side(key: str) -> Side:
         spec = specs[key]
         if spec is not None:
-            return Side(names[key], endpoint=EndpointScorer(spec, tokenizer, s.max_concurrency))
+            # the side's name goes into every report: never with the URL's user:password
+            return Side(redact(names[key]), endpoint=EndpointScorer(spec, tokenizer, s.max_concurrency,
+                                                                    timeout_s=s.timeout))
         checkpoint = local[key]
         kv = (s.b_kv_dtype or s.kv_dtype) if key == "b" else s.kv_dtype
 

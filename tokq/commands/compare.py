@@ -92,8 +92,9 @@ def compare_cmd(
     max_kl_p99: list[str] = typer.Option(None, "--max-kl-p99", help="Fail above this 99th percentile of per-token KL."),
     max_rms_delta_p: list[str] = typer.Option(None, "--max-rms-delta-p", help="Fail above this RMS of Δp (actual "
                                               "token's probability, B − A)."),
-    threshold_on: str = typer.Option("bound", "--threshold-on", help="bound: a threshold fails when the 95% CI's "
-                                     "unfavourable bound crosses it; point: when the estimate does."),
+    threshold_on: str = typer.Option("bound", "--threshold-on", help="bound: a threshold passes when the 95% CI's "
+                                     "unfavourable bound is within it, fails when the whole CI is beyond it, is "
+                                     "inconclusive otherwise; point: the estimate decides."),
     resamples: int = typer.Option(1000, "--resamples", help="Bootstrap resamples for the 95% CIs."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Score A again instead of reading its cached scores."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
@@ -115,6 +116,8 @@ def compare_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap, the probes and the decode sample."),
     max_concurrency: int = typer.Option(8, "--max-concurrency", help="Requests in flight to a url= side (a fleet "
                                         "behind the URL sets the throughput)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request to a url= side may take in all, "
+                                  "retries and a slowly sending server included."),
 ) -> None:
     """Score the same windows with A and B; KL, top-1, ΔNLL by position with CIs; exit 1 on a regression.
 
@@ -149,7 +152,7 @@ def compare_cmd(
                  probe_repeats=probe_repeats, thresholds=thresholds, threshold_on=threshold_on,
                  resamples=resamples, use_cache=not no_cache, dtype=dtype, kv_dtype=kv_dtype, b_kv_dtype=b_kv_dtype,
                  b_kv_scales=b_kv_scales, kv_memory=kv_memory, strict=strict, max_doc_mb=max_doc_mb, max_file_mb=max_file_mb, seed=seed,
-                 max_concurrency=max_concurrency)
+                 max_concurrency=max_concurrency, timeout=timeout)
     folder, set_keys = resolve_data(data)
     defaults = {f.name: f.default for f in fields(CompareSettings)}
     # a [data.NAME] set's keys apply where the command line left the default

@@ -29,6 +29,8 @@ def gate_cmd(
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     seed: int = typer.Option(0, "--seed", help="Seed of windows, bootstrap, probes and bench prompts."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request to a url variant may take in all, "
+                                  "retries and a slowly sending server included."),
 ) -> None:
     """Gate the variants of tokq.toml on quality and speed against the base; exit 1 when a rule fails.
 
@@ -40,7 +42,7 @@ def gate_cmd(
     from tokq.api.gate import gate
 
     result = gate(config, variants=variant or None, data=data, report_dir=report_dir, no_speed=no_speed,
-                  threads=threads, device=device, seed=seed)
+                  threads=threads, device=device, seed=seed, timeout=timeout)
     _print_verdict(result.report)
     console.print(f"report: {result.report_dir}", highlight=False)
     if result.exit_code:

@@ -20,6 +20,8 @@ def init_cmd(
     from tokq.errors import ConfigError
     from tokq.paths import atomic_write_text, data_dir
 
+    if path.is_dir():  # --force replaces a file, never a folder
+        raise ConfigError(f"--path {path} is a folder: name the file to write, e.g. --path {path / 'tokq.toml'}")
     if path.exists() and not force:
         raise ConfigError(f"{path} already exists: edit it, or pass --force to replace it with the starter")
     # The default document set lives under $TOKQ_HOME: point the starter at this machine's copy.

@@ -5,7 +5,11 @@ The work is `tokq.serve` (launch.load_engine, app.build_app, launch.run_server);
 
 from __future__ import annotations
 
+import logging
+
 import typer
+
+log = logging.getLogger("tokq.serve")
 
 
 def serve_cmd(
@@ -30,6 +34,13 @@ def serve_cmd(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the global RNG (requests without a seed)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: debug, info, warning, error."),
+    api_key: str = typer.Option(None, "--api-key", envvar="TOKQ_API_KEY",
+                                help="Key every /v1 request must send as `Authorization: Bearer <key>` "
+                                     "(default: $TOKQ_API_KEY; none: open to anyone who can reach the port)."),
+    max_body_mb: float = typer.Option(8.0, "--max-body-mb", help="Largest request body accepted (MiB); larger: 413."),
+    trust_request_chat_template: bool = typer.Option(
+        False, "--trust-request-chat-template",
+        help="Let requests bring their own chat template (a program the server runs; off by default)."),
 ) -> None:
     """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) until SIGINT / SIGTERM (graceful: requests in flight finish first)."""
@@ -43,10 +54,17 @@ def serve_cmd(
             raise ConfigError(f"{name} {value}: must be >= {0 if name == '--port' else 1}")
     if max_logprobs < 0:
         raise ConfigError(f"--max-logprobs {max_logprobs}: must be >= 0")
+    if not max_body_mb > 0:
+        raise ConfigError(f"--max-body-mb {max_body_mb}: must be > 0")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave the option out to serve without one")
     setup_runtime(threads, device, seed)
     loaded = load_engine(model, dtype=dtype, device=device, kv_memory=kv_memory,
                          kv_dtype=None if kv_dtype == "auto" else kv_dtype, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
     app = build_app(loaded.engine, loaded.tokenizer, served_model_name or model, max_logprobs=max_logprobs,
-                    max_queue=max_queue, root=loaded.checkpoint)
+                    max_queue=max_queue, root=loaded.checkpoint, api_key=api_key,
+                    max_body_bytes=int(max_body_mb * 2**20), trust_request_chat_template=trust_request_chat_template)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without --api-key: anyone who can reach the port can use the model", host)
     run_server(app, host, port, log_level)

@@ -25,6 +25,7 @@ from tokq.engine.safetensors_io import (
     TensorInfo,
     TensorTarget,
     check_all_filled,
+    check_tied_copy,
     checkpoint_targets,
     copy_dense_tensor,
     iter_tensors,
@@ -133,9 +134,13 @@ def check_checkpoint_matches(model: CausalLM, header: dict[str, TensorInfo], che
 def load_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.dtype) -> None:
     targets = checkpoint_targets(model)
     filled: set[str] = set()
+    head = None
     for name, tensor in iter_tensors(checkpoint_dir):
+        if name == "lm_head.weight":
+            head = tensor
         copy_dense_tensor(model, targets, name, tensor, dtype, checkpoint_dir, filled)
     check_all_filled(targets, filled, checkpoint_dir)
+    check_tied_copy(model, head, checkpoint_dir)
 
 
 def _meta_model(config: ModelConfig) -> CausalLM:

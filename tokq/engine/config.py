@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # engine.layers.ACTIVATIONS' keys
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 # More layers than any released model has (the largest have ~128). The layer count is the one size checked
@@ -123,7 +124,8 @@ def _parse_rope(raw: dict[str, Any], theta_key_default: float, where: str) -> Ro
     return RopeConfig(
         theta=_positive_float(raw.get("rope_theta", theta_key_default), "rope_theta", where),
         rope_type=rope_type,
-        factor=_positive_float(raw.get("factor", 1.0) or 1.0, "rope factor", where),
+        # a missing factor is 1; a factor of 0 is an error, not 1 (it was read as 1, silently)
+        factor=_positive_float(1.0 if raw.get("factor") is None else raw["factor"], "rope factor", where),
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=raw.get("original_max_position_embeddings"),
@@ -276,6 +278,9 @@ def parse_config(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"{where}: missing or invalid field {exc}; is this a complete HF config.json?") from exc
+    if common["hidden_act"] not in SUPPORTED_ACTIVATIONS:
+        raise ModelError(f"{where}: hidden_act = {common['hidden_act']!r} is not supported; tokq supports "
+                         f"{', '.join(SUPPORTED_ACTIVATIONS)} (restore config.json from the original checkpoint)")
     no_rope = sorted(set(layer_types) - set(common["rope"]))
     if no_rope:
         raise ModelError(f"{where}: rope_parameters has no entry for the layer type(s) {', '.join(no_rope)}; "

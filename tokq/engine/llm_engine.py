@@ -26,6 +26,7 @@ With `decode_from=d`, positions from d on are run one token per step through the
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
@@ -72,6 +73,8 @@ from tokq.engine.sequence import ScoreRequest, Sequence, Status
 from tokq.engine.tokenizer import check_token_ids
 from tokq.errors import ModelError
 
+log = logging.getLogger("tokq")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -96,6 +99,28 @@ class EngineConfig:
     compile_decode: bool | None = None
 
 
+def _sample_isolated(logits: torch.Tensor, samplers: list[Sequence]) -> tuple[list[int], list[Exception | None]]:
+    """Each sequence's next token, or the error its own sampling raised: the batch is sampled at once, and only
+    when that fails row by row, so that one request's bad parameters or non-finite logits end that request alone
+    rather than every request in the step."""
+    params, generators = [s.params for s in samplers], [s.generator for s in samplers]
+    try:
+        return sample(logits, params, generators).tolist(), [None] * len(samplers)
+    except Exception as exc:
+        if len(samplers) == 1:
+            return [-1], [exc]
+    tokens: list[int] = []
+    errors: list[Exception | None] = []
+    for i in range(len(samplers)):
+        try:
+            tokens.append(int(sample(logits[i: i + 1], params[i: i + 1], generators[i: i + 1])[0]))
+            errors.append(None)
+        except Exception as exc:
+            tokens.append(-1)
+            errors.append(exc)
+    return tokens, errors
+
+
 @dataclass
 class StepOutput:
     seq_id: int
@@ -105,6 +130,7 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token when params.logprobs is not None
     # params.prompt_logprobs: set once, in the step whose prefill completed the prompt (entry 0: None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: Exception | None = None  # finish_reason "error": why this sequence's sampling failed (others went on)
 
 
 @dataclass
@@ -320,10 +346,20 @@ class LLMEngine:
                 samplers.append(seq)
         if samplers:
             logits = self.runner.logits(hidden[sample_rows])
-            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers]).tolist()
+            tokens, errors = _sample_isolated(logits, samplers)
+            now = time.perf_counter()
+            for seq, error in zip(samplers, errors, strict=True):
+                if error is not None:
+                    log.warning("sampling failed for request %d (%s); that request ends, the others go on",
+                                seq.seq_id, error)
+                    self._finish(seq, "error", now)
+                    seq.error = error
+                    outputs.append(StepOutput(seq.seq_id, [], True, "error", error=error))
+            kept = [i for i, error in enumerate(errors) if error is None]
+            if len(kept) < len(samplers):
+                samplers, tokens, logits = [samplers[i] for i in kept], [tokens[i] for i in kept], logits[kept]
             # logprobs of the raw logits (not what sampling made of them); nothing is computed unless asked
             token_lps = sampled_logprobs(logits, tokens, [s.params.logprobs for s in samplers])
-            now = time.perf_counter()
             for seq, token, lp in zip(samplers, tokens, token_lps, strict=True):
                 prompt_lps = self._prompt_done(seq) if seq.num_output_tokens == 0 else None
                 record_token(seq, token, now)
@@ -401,6 +437,9 @@ class LLMEngine:
         prompts, plist = pair_params(prompts, params)
         ids = [self.add_request(p, sp, truncate=truncate) for p, sp in zip(prompts, plist, strict=True)]
         self._drain(ids, progress)
+        for i in ids:  # one caller owns the whole batch here: its failure is this call's error
+            if self._seqs[i].error is not None:
+                raise EngineError(f"sampling failed for prompt {ids.index(i)}: {self._seqs[i].error}")
         return [self.output(i) for i in ids]
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,

@@ -245,6 +245,19 @@ def copy_dense_tensor(model: CausalLM, targets: dict[str, TensorTarget], name: s
     filled.add(name)
 
 
+def check_tied_copy(model: CausalLM, head: torch.Tensor | None, checkpoint_dir: Path) -> None:
+    """With tie_word_embeddings the head is embed_tokens.weight and a saved lm_head.weight is left unread, which is
+    right only for the identical copy some exports save: a distinct one would be dropped silently (the model then
+    computes other logits than the checkpoint was trained to give)."""
+    if head is None or not model.config.tie_word_embeddings:
+        return
+    embed = model.model.embed_tokens.weight
+    if tuple(head.shape) != tuple(embed.shape) or not torch.equal(head.to(embed.dtype).to(embed.device), embed.data):
+        raise ModelError(f"{checkpoint_dir}: config.json says tie_word_embeddings = true, but the checkpoint holds an "
+                         "lm_head.weight that differs from model.embed_tokens.weight, which tying would drop: set "
+                         "tie_word_embeddings to false in config.json to use it (or remove lm_head.weight)")
+
+
 def check_all_filled(targets: dict[str, TensorTarget], filled: set[str], checkpoint_dir: Path) -> None:
     missing = sorted(set(targets) - filled)
     if missing:

@@ -24,6 +24,9 @@ from tokq.errors import TokqError
 # top_p exactly on paper (0.5 + 0.3 against 0.8) can land a rounding step below it and pull in one
 # more token than the smallest nucleus.
 _TOP_P_SLACK = 1e-6
+# Temperatures below this sample as greedy (vLLM's rule too): logits / 1e-40 overflow float32 to inf, and the
+# NaNs that follow made a whole batch's sampling fail. The argmax is what such a temperature means anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingError(TokqError, ValueError):
@@ -77,8 +80,8 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:  # NaN fails too
             raise bad("top_p", p, "must be in (0, 1] (1 = off)")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            raise bad("seed", self.seed, "must be None or an integer in [-2^63, 2^64) (a torch generator's seed)")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if not all(_is_int(i) and i >= 0 for i in self.stop_token_ids):
@@ -92,8 +95,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when only the argmax can be picked (top_k=1 leaves one token at any temperature)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when only the argmax can be picked (top_k=1 leaves one token at any temperature), or the temperature
+        is below GREEDY_TEMPERATURE."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -125,6 +129,7 @@ def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
         mass_before = probs.cumsum(dim=-1) - probs
         top_p = torch.tensor([float(p.top_p) for p in params], device=dev)
         keep = (mass_before < top_p[:, None] - _TOP_P_SLACK) | (top_p[:, None] >= 1)
+        keep[:, 0] = True  # a top_p below the slack (1e-30) would otherwise keep no token at all
         sorted_logits = sorted_logits.masked_fill(~keep, -math.inf)
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 

@@ -76,6 +76,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (all admissions)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    error: Exception | None = None  # finish_reason "error": why its sampling failed
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each generated token was produced

@@ -12,7 +12,8 @@ An entry is a safetensors file (no pickle) plus a JSON manifest holding its sha2
 the key was computed from (`key_parts`: model sha256, data sha256, settings). `load` uses an entry only when
 the manifest's key is the requested key, its key_parts hash to that key and equal the requested key_parts:
 a folder copied or renamed from another key (a CI cache of $TOKQ_HOME is writable by any job) is reported
-and recomputed, as is a file whose checksum does not match (corrupted, truncated). Entries are written
+and recomputed, as is a file whose checksum does not match (corrupted, truncated) or a manifest whose own
+checksum does not (`manifest_sha256` covers every field, the probe results in `extra` too). Entries are written
 atomically. This catches copied or stale entries, not a forger who writes a consistent manifest.
 """
 
@@ -35,8 +36,8 @@ from tokq.paths import atomic_write_text, plain_mode, tokq_home
 
 log = logging.getLogger("tokq")
 _CHUNK = 1 << 20
-FORMAT = 4  # bump when what an entry holds or means changes (2: top-1 ties; 3: key and key_parts in the manifest;
-# 4: A's tail at the full-KL sample)
+FORMAT = 5  # bump when what an entry holds or means changes (2: top-1 ties; 3: key and key_parts in the manifest;
+# 4: A's tail at the full-KL sample; 5: the manifest's own checksum, over its extra part too)
 
 
 def cache_dir() -> Path:
@@ -125,8 +126,8 @@ def load(key: str, *, key_parts: dict | None = None) -> tuple[list[BaselineWindo
             log.warning("baseline cache entry %s is not this key's entry (%s; copied from another key's folder?); "
                         "recomputing it", folder, why)
             return None
-        if _file_sha(data) != meta["sha256"]:
-            log.warning("baseline cache entry %s fails its checksum (corrupted); recomputing it", folder)
+        if _file_sha(data) != meta["sha256"] or _manifest_sha(meta) != meta.get("manifest_sha256"):
+            log.warning("baseline cache entry %s fails its checksum (corrupted or edited); recomputing it", folder)
             return None
         tensors = load_file(str(data))
         windows = [BaselineWindow(tensors[f"{i}.logprob"], tensors[f"{i}.topk_ids"].long(),
@@ -160,8 +161,14 @@ def store(key: str, windows: Sequence[BaselineWindow], describe: dict, *,
     plain_mode(tmp)  # safetensors writes 0600: the cache may be shared
     tmp.replace(folder / "scores.safetensors")
     data = folder / "scores.safetensors"
-    atomic_write_text(folder / "manifest.json", json.dumps(
-        {"windows": len(windows), "sha256": _file_sha(data), "bytes": data.stat().st_size, "extra": describe,
-         "key": key, "key_parts": _plain(key_parts) if key_parts is not None else None},
-        indent=2))
+    meta = {"windows": len(windows), "sha256": _file_sha(data), "bytes": data.stat().st_size,
+            "extra": _plain(describe), "key": key, "key_parts": _plain(key_parts) if key_parts is not None else None}
+    atomic_write_text(folder / "manifest.json", json.dumps({**meta, "manifest_sha256": _manifest_sha(meta)}, indent=2))
     return folder, data.stat().st_size
+
+
+def _manifest_sha(meta: dict) -> str:
+    """sha256 over everything the manifest says (the data's checksum, the extra part with the probe results, the
+    key and its inputs): a flipped probe or an edited count fails it as a corrupted file fails the data's."""
+    fields = {k: v for k, v in meta.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

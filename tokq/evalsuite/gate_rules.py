@@ -1,7 +1,7 @@
 """The gate's verdict: quality rules on a compare result, speed rules on a paired speed experiment.
 
-Quality rules use `evalsuite.stats.thresholds.check_threshold` through compare's own threshold evaluation (a rule
-fails when the 95% CI's unfavourable bound crosses it). Speed rules read `evalsuite.speed_stats`: the
+Quality rules use `evalsuite.stats.thresholds.check_threshold` through compare's own threshold evaluation
+(evalsuite.quality_rules: the same pass / fail / inconclusive policy as the speed rules below). Speed rules read `evalsuite.speed_stats`: the
 variant's ratio to the base on one metric, with a 95% bootstrap interval over paired blocks of steps
 (base and variant interleaved in one process, see `tokq.engine.paired_bench`):
 - min_tpot_speedup: mean TPOT base / variant;

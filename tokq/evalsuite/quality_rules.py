@@ -1,6 +1,7 @@
 """Quality rules on a compare result: each threshold against its estimate and 95% interval (pass, fail or
 inconclusive, never a pass on missing evidence), and the finite_scores rule that fails a model with NaN or inf
-scores."""
+scores. One policy with the speed rules: pass when the whole interval meets the threshold, fail when the whole
+interval misses it, inconclusive when it holds the threshold (with about how much more data would decide)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 from tokq.errors import DataError
 from tokq.evalsuite.full_kl import lower_bound_verdict
 from tokq.evalsuite.rule_defs import KL_TAIL_METRICS, THRESHOLD_METRICS
-from tokq.evalsuite.stats.thresholds import check_threshold
+from tokq.evalsuite.stats.thresholds import check_threshold, more_data_note, straddles
 
 
 def finite_rules(result: dict) -> list[dict]:
@@ -29,8 +30,9 @@ def finite_rules(result: dict) -> list[dict]:
 
 
 def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, float]], on: str = "bound") -> list[dict]:
-    """Each threshold against the prefill path's estimate (overall or per bucket): it fails when the
-    95% CI's unfavourable bound crosses it (on="point": when the estimate does). The flip rate's CI is the
+    """Each threshold against the prefill path's estimate (overall or per bucket): it passes when the 95% CI's
+    unfavourable bound is within it, fails when the whole CI is beyond it, and is inconclusive when the CI holds
+    it (on="point": the estimate alone decides pass or fail). The flip rate's CI is the
     exact Clopper-Pearson interval over the probes. A rule the data cannot decide is inconclusive, never a
     pass: no probes ran, too few probes to pass even with no flip (`power.probes_to_pass`), one document (no
     interval), or a KL figure that is only a lower bound (full_kl.lower_bound_verdict)."""
@@ -62,6 +64,9 @@ def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, flo
                                 "rule": f"{check.rule} over {probes['n']} probes; even no flip could not pass: it "
                                         f"needs at least {needed} probes (inconclusive)"})
                     continue
+                if on == "bound" and not check.passed and straddles(est, value, direction):
+                    out.append({**row, "bucket": None, **_straddling(est, value, check.rule, "probes")})
+                    continue
                 out.append({**row, "bucket": None, "passed": check.passed, **_interval(est),
                             "rule": f"{check.rule} (exact, {probes['n']} probes)"})
                 continue
@@ -91,8 +96,20 @@ def evaluate_thresholds(result: dict, thresholds: dict[str, dict[str | None, flo
                             "rule": f"{est.n_docs} document gives no interval for {metric}; {direction} {value:.4g} "
                                     "not shown (inconclusive)"})
                 continue
+            if on == "bound" and not check.passed and straddles(est, value, direction):
+                out.append({**row, **_straddling(est, value, check.rule, "documents")})
+                continue
             out.append({**row, "passed": check.passed, **_interval(est), "rule": check.rule})
     return out
+
+
+def _straddling(est, threshold: float, rule: str, unit: str) -> dict:
+    """An inconclusive row for an interval that holds the threshold: neither a pass nor a regression shown (the
+    speed rules' policy too, evalsuite.speed_stats.decide)."""
+    note, factor = more_data_note(est, threshold, unit)
+    return {"passed": False, "inconclusive": True, "more_data_factor": factor, **_interval(est),
+            "rule": f"{rule}, but the 95% interval [{est.low:.4g}, {est.high:.4g}] holds the threshold: "
+                    f"inconclusive ({note})"}
 
 
 def _interval(est) -> dict:

@@ -6,8 +6,9 @@ Light on purpose (no torch, no numpy): `tokq init` and tokq.toml parsing import 
 
 from __future__ import annotations
 
-# Quality rules: name -> (aggregate metric of evalsuite.compare, direction). A threshold fails when the 95%
-# CI's unfavourable bound crosses it ("max": the metric must stay at or below it, "min": at or above).
+# Quality rules: name -> (aggregate metric of evalsuite.compare, direction). A threshold passes when the 95%
+# CI's unfavourable bound is within it ("max": the metric must stay at or below it, "min": at or above), fails
+# when the whole CI is beyond it, and is inconclusive when the CI holds it (evalsuite.quality_rules).
 THRESHOLD_METRICS = {"max_kl": ("kl", "max"), "min_top1": ("top1", "min"), "max_ppl_ratio": ("ppl_ratio", "max"),
                      "max_flip_rate": ("flip_rate", "max"),
                      "max_kl_p90": ("kl_p90", "max"), "max_kl_p95": ("kl_p95", "max"), "max_kl_p99": ("kl_p99", "max"),

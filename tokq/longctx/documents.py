@@ -229,15 +229,47 @@ def load_documents(
     return DocumentSet(root=root, documents=documents, skipped=skipped, ignored=ignored, n_files=n_files)
 
 
+MAX_FOLDER_DEPTH = 64  # folders below the root walked; deeper ones are reported, not read
+
+
+def _walk(root: Path, errors: list[OSError], too_deep: list[SkippedFile]):
+    """os.walk's (dirpath, dirnames, filenames) top-down, with an explicit stack instead of recursion (1500 nested
+    folders raised RecursionError) and folders deeper than MAX_FOLDER_DEPTH reported in `too_deep`."""
+    stack = [(os.fspath(root), 0)]
+    while stack:
+        dirpath, depth = stack.pop()
+        try:
+            with os.scandir(dirpath) as entries:
+                listed = list(entries)
+        except OSError as exc:
+            errors.append(exc)
+            continue
+        dirnames, filenames = [], []
+        for entry in listed:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            (dirnames if is_dir else filenames).append(entry.name)
+        yield dirpath, dirnames, filenames  # the caller may prune dirnames, as with os.walk
+        for name in reversed(dirnames):
+            if depth + 1 > MAX_FOLDER_DEPTH:
+                too_deep.append(SkippedFile(Path(dirpath) / name, f"folder deeper than {MAX_FOLDER_DEPTH} levels "
+                                            "below the data folder (not read): move its files up"))
+                continue
+            stack.append((os.path.join(dirpath, name), depth + 1))
+
+
 def _list_files(root: Path) -> tuple[list[tuple[str, Path]], list[Path], list[SkippedFile]]:
     """(relative posix path, path) of accepted files, the ignored ones (both sorted), and the
-    folders not walked: unlistable ones, and links to folders (never followed, so a link loop
+    folders not walked: unlistable ones, too deep ones, and links to folders (never followed, so a link loop
     such as `sub -> ..` cannot make the walk endless)."""
     accepted: list[tuple[str, Path]] = []
     ignored: list[Path] = []
     errors: list[OSError] = []
     links: list[SkippedFile] = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=errors.append):
+    too_deep: list[SkippedFile] = []
+    for dirpath, dirnames, filenames in _walk(root, errors, too_deep):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             dirnames.remove(name)
@@ -254,5 +286,5 @@ def _list_files(root: Path) -> tuple[list[tuple[str, Path]], list[Path], list[Sk
     accepted.sort(key=lambda item: item[0])
     ignored.sort()
     unreadable = [SkippedFile(Path(e.filename or root), f"unreadable folder ({e.strerror or e})") for e in errors]
-    return accepted, ignored, unreadable + sorted(links, key=lambda s: s.path)
+    return accepted, ignored, unreadable + sorted(links + too_deep, key=lambda s: s.path)
 

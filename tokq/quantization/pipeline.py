@@ -125,12 +125,49 @@ def recipe_sha256(recipe: dict, base_sha256: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def recorded_recipe_sha256(checkpoint: Path) -> str | None:
-    """The recipe hash a checkpoint's tokq_quantization.json records; None when it records none (not built by
-    the gate from a recipe) or cannot be read."""
+def _provenance(checkpoint: Path) -> dict | None:
     try:
         record = json.loads((Path(checkpoint) / "tokq_quantization.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
-    value = record.get("recipe_sha256") if isinstance(record, dict) else None
-    return value if isinstance(value, str) else None
+    return record if isinstance(record, dict) else None
+
+
+def seal_recipe(checkpoint: Path) -> None:
+    """Record the content hash of the weights just built beside their recipe hash (tokq_quantization.json), so
+    that `recorded_recipe_sha256` can tell these weights from any others the record is later found with."""
+    from tokq.evalsuite.baseline_cache import model_hash
+    from tokq.paths import atomic_write_text
+
+    path = Path(checkpoint) / "tokq_quantization.json"
+    record = _provenance(checkpoint) or {}
+    record["weights_sha256"] = model_hash(Path(checkpoint))
+    atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+
+
+def recorded_recipe_sha256(checkpoint: Path) -> str | None:
+    """The recipe hash a checkpoint's tokq_quantization.json records, if the weights beside it are the ones that
+    recipe built (their content hash is the recorded `weights_sha256`); None when it records none (not built by
+    the gate from a recipe), cannot be read, or the weights are not the ones sealed (a record copied from another
+    build, or weights changed since: `recipe_record_problem` says which)."""
+    record = _provenance(checkpoint)
+    value = record.get("recipe_sha256") if record else None
+    if not isinstance(value, str) or recipe_record_problem(checkpoint) is not None:
+        return None
+    return value
+
+
+def recipe_record_problem(checkpoint: Path) -> str | None:
+    """Why a checkpoint's recorded recipe hash cannot be trusted for its weights (None: it can, or it has none)."""
+    from tokq.evalsuite.baseline_cache import model_hash
+
+    record = _provenance(checkpoint)
+    if not record or not isinstance(record.get("recipe_sha256"), str):
+        return None
+    sealed = record.get("weights_sha256")
+    if not isinstance(sealed, str):
+        return "its tokq_quantization.json records a recipe hash but no hash of the weights it built"
+    if sealed != model_hash(Path(checkpoint)):
+        return ("its weights are not the ones its recipe hash was recorded with (the record was copied from another "
+                "build, or the files changed since)")
+    return None

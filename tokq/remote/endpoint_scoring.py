@@ -15,7 +15,9 @@ position and both tokens.
 
 Requests run `max_concurrency` at a time (threads over one EndpointClient, which retries 429/503 with backoff),
 so a fleet behind the URL sets the throughput. What comes back per window is a `topk_bounds.PartialRows` over
-the window's scored rows (row p predicts token p + 1, as the engine's WindowScores).
+the window's scored rows (row p predicts token p + 1, as the engine's WindowScores). Every number in an answer
+passes answer_checks first (log-probabilities <= 0 and not NaN, at most probability 1 listed per position, the
+alternatives asked for present); an answer of another shape is a DataError, never a traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 
 from tokq.errors import ConfigError, DataError
 from tokq.evalsuite.topk_bounds import PartialRows
+from tokq.remote import answer_checks as checks
+from tokq.remote.urls import check_http_url, redact, split_credentials
 
 DEFAULT_TOPK = 20  # vLLM's default --max-logprobs
 _FALLBACK_TOPK = (20, 10, 5, 1)
@@ -41,10 +45,11 @@ class EndpointSpec:
     """A side written `url=http://host:port[/v1][#model=NAME&tokenizer=DIR&topk=K]` (the fragment is never
     sent: it names the served model, the tokenizer to build windows with, and the top-k to ask for)."""
 
-    url: str
+    url: str  # without user:password: what messages and results show
     model: str | None = None
     tokenizer: str | None = None
     topk: int = DEFAULT_TOPK
+    connect_url: str = ""  # the address as given (credentials included): only the HTTP client sees it
 
     @property
     def label(self) -> str:
@@ -57,27 +62,32 @@ def parse_side(text: str) -> EndpointSpec | None:
         return None
     url, _, fragment = text[4:].partition("#")
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"{text!r}: a URL side is url=http://host:port[/v1][#model=NAME&tokenizer=DIR]")
+        raise ConfigError(f"{redact(text)!r}: a URL side is url=http://host:port[/v1][#model=NAME&tokenizer=DIR]")
+    check_http_url(url, "the URL side")
     keys = dict(parse_qsl(fragment, keep_blank_values=True)) if fragment else {}
     unknown = set(keys) - {"model", "tokenizer", "topk"}
     if unknown:
-        raise ConfigError(f"{text!r}: unknown key {sorted(unknown)[0]!r} after '#'; known: model, tokenizer, topk")
+        raise ConfigError(f"{redact(text)!r}: unknown key {sorted(unknown)[0]!r} after '#'; known: model, tokenizer, "
+                          "topk")
     topk = keys.get("topk", str(DEFAULT_TOPK))
     if not topk.isdigit() or int(topk) < 1:
-        raise ConfigError(f"{text!r}: topk={topk} must be an integer >= 1")
-    return EndpointSpec(url.rstrip("/"), keys.get("model") or None, keys.get("tokenizer") or None, int(topk))
+        raise ConfigError(f"{redact(text)!r}: topk={topk} must be an integer >= 1")
+    clean, _ = split_credentials(url)
+    return EndpointSpec(clean.rstrip("/"), keys.get("model") or None, keys.get("tokenizer") or None, int(topk),
+                        url.rstrip("/"))
 
 
 class EndpointScorer:
     """Scores windows of token ids at one endpoint (see the module docstring)."""
 
-    def __init__(self, spec: EndpointSpec, tokenizer, max_concurrency: int = 8, client=None):
+    def __init__(self, spec: EndpointSpec, tokenizer, max_concurrency: int = 8, client=None,
+                 timeout_s: float = 600.0):
         from tokq.remote.http import EndpointClient
 
         if max_concurrency < 1:
             raise ConfigError(f"--max-concurrency {max_concurrency}: must be >= 1")
         self.spec, self.tokenizer, self.max_concurrency = spec, tokenizer, max_concurrency
-        self.client = client or EndpointClient(spec.url)
+        self.client = client or EndpointClient(spec.connect_url, timeout_s=timeout_s)
         self.model = spec.model or self.client.first_model_id()
         self.mode = "prompt_logprobs"  # or "logprobs" (legacy echo) once the server refuses the extension
         self.topk = spec.topk
@@ -116,7 +126,11 @@ class EndpointScorer:
                             raise
                         last = exc
                         continue
-                    choice = (answer.get("choices") or [{}])[0]
+                    try:
+                        choice = (answer.get("choices") or [{}])[0]
+                        choice.get("prompt_logprobs")
+                    except (AttributeError, TypeError, IndexError, KeyError) as exc:
+                        raise checks.malformed(self.spec.label, "the first window", exc) from None
                     if mode == "prompt_logprobs" and not choice.get("prompt_logprobs"):
                         break  # the extension is ignored here: try the legacy form
                     if mode == "logprobs" and not choice.get("logprobs"):
@@ -150,6 +164,17 @@ class EndpointScorer:
 
     # -- answers ------------------------------------------------------------------------------------------------
     def _rows(self, window, answer: dict) -> PartialRows:
+        try:
+            return self._parse_rows(window, answer)
+        except DataError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:  # a shape no server sends
+            where = f"{getattr(window, 'doc_id', '?')} window {getattr(window, 'window_index', '?')}"
+            raise checks.malformed(self.spec.label, where, exc) from None
+
+    def _parse_rows(self, window, answer: dict) -> PartialRows:
+        if not isinstance(answer, dict):
+            raise TypeError(f"the answer is a {type(answer).__name__}, not an object")
         choice = (answer.get("choices") or [None])[0]
         if not isinstance(choice, dict):
             raise DataError(f"{self.spec.url}: a completion answer without choices; is this an OpenAI-compatible "
@@ -185,15 +210,20 @@ class EndpointScorer:
         actual = torch.empty(n)
         ids, values = torch.full((n, k), -1, dtype=torch.long), torch.full((n, k), float("nan"))
         cap, top1, top1_lp = torch.zeros(n), torch.empty(n, dtype=torch.long), torch.empty(n)
+        label, wanted = self.spec.label, min(k, len(self.tokenizer)) if self.tokenizer is not None else k
         for row, pos in enumerate(range(first, len(tokens))):
             entry = entries[pos] or {}
+            where = f"prompt position {pos}"
             own = entry.get(str(tokens[pos]))
             if own is None:
                 shown = ", ".join(f"id {key}" for key in list(entry)[:3]) or "nothing"
                 raise self._mismatch(pos, tokens[pos], f"no log-probability for it ({shown})")
-            actual[row] = float(own["logprob"])
-            ranked = sorted(((int(v["rank"]), int(key), float(v["logprob"])) for key, v in entry.items()
+            actual[row] = checks.logprob(label, where, own["logprob"])
+            listed = {int(key): checks.logprob(label, where, v["logprob"]) for key, v in entry.items()}
+            checks.mass(label, where, list(listed.values()))
+            ranked = sorted(((int(v["rank"]), int(key), listed[int(key)]) for key, v in entry.items()
                              if v.get("rank") is not None and int(v["rank"]) <= k))
+            checks.alternatives(label, where, len(ranked), wanted)
             for j, (_, tid, lp) in enumerate(ranked[:k]):
                 ids[row, j], values[row, j] = tid, lp
             # every id outside the top-k is <= the k-th value; fewer than k listed: no cap is known
@@ -233,12 +263,18 @@ class EndpointScorer:
             match = _TOKEN_ID.match(got)
             if (int(match.group(1)) != sent) if match else (got != self._piece(sent)):
                 raise self._mismatch(i, sent, repr(got))
-        n, k = len(tokens) - first, self.topk
-        actual = torch.tensor([float(token_lps[p]) for p in range(first, len(tokens))])
+        n, k, label = len(tokens) - first, self.topk, self.spec.label
+        actual = torch.tensor([checks.logprob(label, f"prompt position {p}", token_lps[p])
+                               for p in range(first, len(tokens))])
         ids, values = torch.full((n, k), -1, dtype=torch.long), torch.full((n, k), -torch.inf)
         cap, top1, top1_lp = torch.zeros(n), torch.empty(n, dtype=torch.long), torch.empty(n)
         for row, pos in enumerate(range(first, len(tokens))):
-            ranked = sorted(((float(lp), text) for text, lp in (tops[pos] or {}).items()), reverse=True)[:k]
+            where = f"prompt position {pos}"
+            listed = {text: checks.logprob(label, where, lp) for text, lp in (tops[pos] or {}).items()}
+            checks.mass(label, where, list(listed.values()))
+            # keyed by token strings, the legacy form merges tokens that decode alike: a few fewer than k may come
+            checks.alternatives(label, where, len(listed), -(-k // 2))
+            ranked = sorted(((lp, text) for text, lp in listed.items()), reverse=True)[:k]
             mapped = [(self._id_of(text), lp) for lp, text in ranked]
             for j, (tid, lp) in enumerate(mapped):
                 if tid is not None:

@@ -7,7 +7,12 @@ retry in lockstep. Everything else (400, 404, ...) fails at once: retrying a bad
 `EndpointError` whose message is one line naming the URL, the status, the server's own error message and the fix.
 
 `base_url` may be given with or without the trailing `/v1` (OpenAI's clients want it, vLLM's bench does not):
-paths are written in full (`/v1/completions`) and the duplicate is dropped.
+paths are written in full (`/v1/completions`) and the duplicate is dropped. A user:password in it is sent as
+basic auth and never appears in a message (remote/urls.py).
+
+A server cannot hold a call past its deadline or flood memory: httpx's timeouts are per read (a server trickling
+a byte a second never trips them), so JSON answers are read in chunks against the call's own deadline, and a
+decoded (gunzipped) answer above `max_response_bytes` is refused (a gzip bomb took a client to 982 MB).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import random
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,6 +31,51 @@ import httpx
 from tokq.errors import TokqError
 
 RETRY_STATUSES = (429, 503)
+# A scored window's answer: 32K prompt tokens x 21 entries of ~70 bytes is ~50 MB; four times that is a bomb.
+MAX_RESPONSE_BYTES = 256 * 2**20
+
+
+class _Deadline(Exception):
+    """The call's total deadline passed while the answer was still arriving."""
+
+
+class _TooLarge(Exception):
+    """The decoded answer grew past max_response_bytes."""
+
+
+class _Encoding(Exception):
+    """An answer in a content encoding this client did not offer."""
+
+
+_PIECE = 1 << 16  # decoded bytes per decompression step: a 1000:1 bomb never inflates a whole chunk at once
+
+
+class _Decoder:
+    """The answer's raw bytes -> its content, in pieces of at most _PIECE bytes. httpx's own decoders inflate a
+    whole network chunk in one call (64 KB of a gzip bomb -> 64 MB); this one stops at each piece so that the size
+    cap is checked before memory grows. Only the encodings the client offers (gzip, deflate) are accepted."""
+
+    def __init__(self, encoding: str):
+        encoding = encoding.strip().lower()
+        if encoding in ("", "identity"):
+            self.inflate = None
+        elif encoding in ("gzip", "x-gzip", "deflate"):
+            self.inflate = zlib.decompressobj(15 + 32)  # zlib or gzip header, detected
+        else:
+            raise _Encoding(encoding)
+
+    def feed(self, raw: bytes):
+        if self.inflate is None:
+            yield raw
+            return
+        data = raw
+        while data:
+            yield self.inflate.decompress(data, _PIECE)
+            data = self.inflate.unconsumed_tail
+
+    def close(self):
+        if self.inflate is not None:
+            yield self.inflate.flush()
 
 
 class EndpointError(TokqError):
@@ -58,12 +109,14 @@ def _fix(status: int | None) -> str:
     }.get(status, "check the server's log")
 
 
-def _server_message(response: httpx.Response) -> str:
-    """The server's error message: OpenAI's {"error": {"message": ...}}, FastAPI's {"detail": ...} or the text."""
+def _server_message(response: httpx.Response, content: bytes | None = None) -> str:
+    """The server's error message: OpenAI's {"error": {"message": ...}}, FastAPI's {"detail": ...} or the text.
+    `content`: the body when it was read in chunks (else the response's own)."""
+    content = response.content if content is None else content
     try:
-        body = response.json()
+        body = json.loads(content)
     except (ValueError, UnicodeDecodeError):
-        return response.text.strip()[:300] or response.reason_phrase
+        return content.decode("utf-8", "replace").strip()[:300] or response.reason_phrase
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and err.get("message"):
@@ -147,11 +200,20 @@ class EndpointClient:
     `aget_json`, `stream_completion`). Close it (or use it as a context manager) to free its connections."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0, retries: int = 6,
-                 backoff_s: float = 0.25, max_backoff_s: float = 8.0, connect_timeout_s: float = 10.0):
-        if not base_url.startswith(("http://", "https://")):
-            raise EndpointError(f"{base_url!r}: not an http(s) URL; give the server's address, e.g. "
-                                "http://127.0.0.1:8000")
+                 backoff_s: float = 0.25, max_backoff_s: float = 8.0, connect_timeout_s: float = 10.0,
+                 max_response_bytes: int = MAX_RESPONSE_BYTES):
+        from tokq.errors import ConfigError
+        from tokq.remote.urls import check_http_url, split_credentials
+
+        try:
+            check_http_url(base_url, "the server address")
+        except ConfigError as exc:
+            raise EndpointError(exc.message) from None
+        if not (timeout_s > 0 and timeout_s != float("inf")):
+            raise EndpointError(f"timeout {timeout_s}: must be a finite number of seconds > 0")
+        base_url, self._auth = split_credentials(base_url)
         self.base_url = base_url.rstrip("/")
+        self.max_response_bytes = max_response_bytes
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.timeout_s, self.retries = timeout_s, retries
         self.backoff_s, self.max_backoff_s, self.connect_timeout_s = backoff_s, max_backoff_s, connect_timeout_s
@@ -167,19 +229,60 @@ class EndpointClient:
         return self.base_url + path
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        accept = {"Accept-Encoding": "gzip, deflate"}  # what _Decoder reads, a piece at a time
+        return {**accept, "Authorization": f"Bearer {self.api_key}"} if self.api_key else accept
 
     def _client(self) -> httpx.Client:
         if self._sync is None:
-            self._sync = httpx.Client(headers=self._headers())
+            self._sync = httpx.Client(headers=self._headers(), auth=self._auth)
         return self._sync
 
     def _aclient(self) -> httpx.AsyncClient:
         if self._async is None:
             # No pool limit: --max-concurrency is the bench's to set, not the connection pool's.
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._async = httpx.AsyncClient(headers=self._headers(), limits=limits)
+            self._async = httpx.AsyncClient(headers=self._headers(), limits=limits, auth=self._auth)
         return self._async
+
+    def _take(self, chunks: list[bytes], chunk: bytes, retry: _Retrying) -> None:
+        """One decoded chunk of an answer, against the size cap and the call's deadline."""
+        chunks.append(chunk)
+        if sum(map(len, chunks)) > self.max_response_bytes:
+            raise _TooLarge
+        if retry.remaining() <= 0:
+            raise _Deadline
+
+    def _read(self, response: httpx.Response, retry: _Retrying) -> bytes:
+        chunks: list[bytes] = []
+        decoder = _Decoder(response.headers.get("content-encoding", ""))
+        for raw in response.iter_raw():
+            for piece in decoder.feed(raw):
+                self._take(chunks, piece, retry)
+        for piece in decoder.close():
+            self._take(chunks, piece, retry)
+        return b"".join(chunks)
+
+    async def _aread(self, response: httpx.Response, retry: _Retrying) -> bytes:
+        chunks: list[bytes] = []
+        decoder = _Decoder(response.headers.get("content-encoding", ""))
+        async for raw in response.aiter_raw():
+            for piece in decoder.feed(raw):
+                self._take(chunks, piece, retry)
+        for piece in decoder.close():
+            self._take(chunks, piece, retry)
+        return b"".join(chunks)
+
+    def _refusal(self, exc: Exception, retry: _Retrying, status: int) -> EndpointError:
+        if isinstance(exc, _Encoding):
+            return retry.error(status, f"the answer is in content encoding {str(exc)[:40]!r}, which was not asked "
+                                       "for (gzip or deflate)")
+        if isinstance(exc, zlib.error):
+            return retry.error(status, f"the answer's compressed body is corrupt ({exc})")
+        if isinstance(exc, _TooLarge):
+            return retry.error(status, f"the answer is larger than {self.max_response_bytes} bytes decoded; nothing "
+                                       "was kept")
+        return EndpointError(f"{retry.url}: the answer was still arriving when the {self.timeout_s:g} s timeout "
+                             "passed (a server sending slowly); check the server, or raise --timeout", status, retry.url)
 
     def close(self) -> None:
         if self._sync is not None:
@@ -204,12 +307,12 @@ class EndpointClient:
         await self.aclose()
 
     @staticmethod
-    def _json(r: httpx.Response, retry: _Retrying) -> dict:
+    def _json(status: int, content: bytes, retry: _Retrying) -> dict:
         try:
-            return r.json()
-        except ValueError as e:
-            raise retry.error(r.status_code, f"the answer is not JSON ({e}): is this an OpenAI-compatible "
-                                             "server?") from None
+            return json.loads(content)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise retry.error(status, f"the answer is not JSON ({str(e)[:100]}): is this an OpenAI-compatible "
+                                      "server?") from None
 
     # -- sync -------------------------------------------------------------------------------------------------
     def request_json(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -217,10 +320,17 @@ class EndpointClient:
         while True:
             response, what = None, ""
             try:
-                response = self._client().request(method, retry.url, json=body, timeout=retry.attempt_timeout())
+                request = self._client().build_request(method, retry.url, json=body, timeout=retry.attempt_timeout())
+                response = self._client().send(request, stream=True)
+                try:
+                    content = self._read(response, retry)
+                except (_TooLarge, _Deadline, _Encoding, zlib.error) as exc:
+                    raise self._refusal(exc, retry, response.status_code) from None
+                finally:
+                    response.close()
                 if response.is_success:
-                    return self._json(response, retry)
-                what = _server_message(response)
+                    return self._json(response.status_code, content, retry)
+                what = _server_message(response, content)
                 if response.status_code not in RETRY_STATUSES:
                     raise retry.error(response.status_code, what)
             except httpx.TransportError as e:
@@ -238,10 +348,11 @@ class EndpointClient:
 
     def list_models(self) -> list[dict]:
         """GET /v1/models: the served models, each a dict with at least "id"."""
-        data = self.get_json("/v1/models").get("data")
-        if not isinstance(data, list):
-            raise EndpointError(f"{self.url('/v1/models')}: the answer has no 'data' list; is this an "
-                                "OpenAI-compatible server?")
+        answer = self.get_json("/v1/models")
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
+            raise EndpointError(f"{self.url('/v1/models')}: the answer has no 'data' list of models with an 'id'; is "
+                                "this an OpenAI-compatible server?")
         return data
 
     def first_model_id(self) -> str:
@@ -256,11 +367,17 @@ class EndpointClient:
         while True:
             response, what = None, ""
             try:
-                response = await self._aclient().request(method, retry.url, json=body,
-                                                         timeout=retry.attempt_timeout())
+                request = self._aclient().build_request(method, retry.url, json=body, timeout=retry.attempt_timeout())
+                response = await self._aclient().send(request, stream=True)
+                try:
+                    content = await self._aread(response, retry)
+                except (_TooLarge, _Deadline, _Encoding, zlib.error) as exc:
+                    raise self._refusal(exc, retry, response.status_code) from None
+                finally:
+                    await response.aclose()
                 if response.is_success:
-                    return self._json(response, retry)
-                what = _server_message(response)
+                    return self._json(response.status_code, content, retry)
+                what = _server_message(response, content)
                 if response.status_code not in RETRY_STATUSES:
                     raise retry.error(response.status_code, what)
             except httpx.TransportError as e:
@@ -296,6 +413,8 @@ class EndpointClient:
                     if response.is_success:
                         async for line in response.aiter_lines():
                             now = time.perf_counter()
+                            if retry.remaining() <= 0:  # a stream that trickles past the call's deadline
+                                raise self._refusal(_Deadline(), retry, status)
                             if not line.startswith("data:"):
                                 continue  # blank separators, comments, event: lines
                             payload = line[5:].strip()

@@ -45,6 +45,7 @@ from tokq.remote.bench_serve import (
     send_request,
 )
 from tokq.remote.http import EndpointClient, EndpointError
+from tokq.remote.urls import redact
 
 SIDES = ("base", "variant")
 STALL_FACTOR = 4.0
@@ -159,7 +160,7 @@ def run_paired_http(sides: dict[str, HttpSide], tokenizer, workload: HttpWorkloa
             for s in SIDES:  # first-call costs out of the measurement; a wrong URL or model fails here, in one line
                 out = await send_request(clients[s], settings, models[s], warm)
                 if not out.success:
-                    raise EndpointError(f"{sides[s].url}: the warm-up request to the {s} failed, nothing was "
+                    raise EndpointError(f"{redact(sides[s].url)}: the warm-up request to the {s} failed, nothing was "
                                         f"benchmarked: {out.error}")
             monitor = LoadMonitor()
             blocks: list[HttpBlock] = []
@@ -187,7 +188,7 @@ def run_paired_http(sides: dict[str, HttpSide], tokenizer, workload: HttpWorkloa
                 await client.aclose()
 
     blocks, stopped_by, seconds, load = asyncio.run(go())
-    return HttpPairedTrace(blocks, seconds, budget_s, stopped_by, models, {s: sides[s].url for s in SIDES}, load)
+    return HttpPairedTrace(blocks, seconds, budget_s, stopped_by, models, {s: redact(sides[s].url) for s in SIDES}, load)
 
 
 def _side_block(requests: list[SampleRequest], outputs: list[RequestOutput], seconds: float, tokenizer) -> SideBlock:

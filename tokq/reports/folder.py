@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokq.outputs import REPORT, check_replaceable
 from tokq.paths import atomic_directory
+from tokq.remote.urls import redact
 
 
 def check_report_folder(folder: Path, option: str = "--out") -> None:
@@ -27,7 +28,8 @@ def write_report_folder(folder: Path, renderers: dict[str, Callable[[], str]], s
     folder = Path(folder)
     with atomic_directory(folder, REPORT, written_by) as tmp:
         for name, render in renderers.items():
-            (tmp / name).write_text(render(), encoding="utf-8")
+            # a server address written with user:password must not reach a report (nor the step summary below)
+            (tmp / name).write_text(redact(render()), encoding="utf-8")
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if step_summary and summary and (folder / "report.md").is_file():
         with open(summary, "a", encoding="utf-8") as f:

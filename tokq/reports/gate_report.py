@@ -143,8 +143,8 @@ GATE_PAGE = """\
 {% for line in context %}
 <p>{{ line }}</p>
 {% endfor %}
-<p>Quality rules fail when the 95% CI's unfavourable bound crosses the threshold; speed rules pass when their whole \
-95% interval meets it, fail when the whole interval misses it, and are inconclusive otherwise.</p>
+<p>Quality and speed rules alike pass when their whole 95% interval meets the threshold, fail when the whole \
+interval misses it, and are inconclusive when it holds the threshold.</p>
 <table><tr><th>variant</th><th>rule</th><th>bucket</th><th>measured [95% CI]</th><th>threshold</th><th>result</th></tr>
 {% for r in rules %}
 <tr><td>{{ r.variant }}</td><td>{{ r.name }}</td><td>{{ r.bucket }}</td><td>{{ r.value }}</td><td>{{ r.threshold }}\

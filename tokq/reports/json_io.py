@@ -61,5 +61,8 @@ def write_json(path: str | Path, payload: dict, option: str = "--json") -> Path:
     have changed since the command's early check_json_target."""
     path = Path(path)
     check_json_target(path, option)
-    atomic_write_text(path, json.dumps(_clean(payload), indent=2, sort_keys=False) + "\n")
+    from tokq.remote.urls import redact
+
+    # no server address with its user:password in a results file (remote/urls.py)
+    atomic_write_text(path, redact(json.dumps(_clean(payload), indent=2, sort_keys=False)) + "\n")
     return path

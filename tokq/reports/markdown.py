@@ -112,6 +112,8 @@ def compare_markdown(result: dict) -> str:
              f"({result['settings']['resamples']} resamples, seed {result['settings']['seed']}). "
              f"{result['kl_method']}; A's top-k covers {result['coverage_mean']:.1%} of its probability mass on average.",
              ""]
+    if result.get("identical_weights"):
+        lines += [f"**Warning:** {result['identical_weights']['warning']}", ""]
     metrics = ["kl", "kl_topk", "top1", "ppl_ratio", "delta_nll", "delta_p", "accept"]
     lines += ["| metric | prefill path | decode path |", "|---|---|---|"]
     for m in metrics:

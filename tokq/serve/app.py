@@ -6,6 +6,11 @@ tokenized, checked against vLLM's limits), goes to the one engine thread (engine
 JSON (openai_format.py). Errors are OpenAI's error JSON: 400 for a bad request or one the engine refuses,
 404 for a model this server does not serve, 503 + Retry-After when --max-queue requests are already held.
 
+Each request is checked on its own before it reaches the engine (guards.py: the API key and the body size
+cap; protocol.py: fields tokq does not implement; jobs.py: vLLM's limits), and the CPU-heavy part of
+taking it in (rendering the chat template, tokenizing) runs in a worker thread with a time limit, so that
+one client's huge or slow request neither stalls the event loop nor delays anyone else's tokens.
+
 A client that goes away has its requests aborted (their KV blocks freed): a stream's generator is cancelled
 by Starlette when the connection closes, and a non-streaming handler polls `request.is_disconnected()`
 while it waits. The engine thread starts with the app (lifespan) and stops after uvicorn's graceful
@@ -27,12 +32,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokq.serve import openai_format as fmt
 from tokq.serve.chat import render_chat
 from tokq.serve.engine_loop import Accepted, EngineLoop, Failed, Group, Output, QueueFull
+from tokq.serve.guards import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit
 from tokq.serve.jobs import Job, Limits, chat_job, completion_jobs
 from tokq.serve.metrics import ServerMetrics
-from tokq.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tokq.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, refuse_unsupported
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 RETRY_AFTER_S = 1
+
+
+PREPARE_TIMEOUT_S = 30.0  # the most a request's template rendering + tokenizing may take
 
 
 @dataclass
@@ -41,6 +50,10 @@ class ServeOptions:
     max_logprobs: int = 20
     max_queue: int | None = None  # None: 4 x the engine's max_num_seqs
     root: str | None = None  # where the model came from (GET /v1/models "root")
+    api_key: str | None = None  # Bearer key every /v1 request must carry (None: open)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    trust_request_chat_template: bool = False
+    prepare_timeout_s: float = PREPARE_TIMEOUT_S
 
 
 @dataclass
@@ -94,6 +107,16 @@ class _Server:
             raise APIError(404, f"The model `{model}` does not exist (this server serves "
                                 f"`{self.options.served_name}`).", "model")
 
+    async def prepare(self, what: str, fn, *args):
+        """fn(*args) (template rendering, tokenizing) in a worker thread, within the time limit: the event loop
+        keeps serving other requests meanwhile. A worker past the limit is left to finish on its own (a thread
+        cannot be stopped); the body cap bounds how long that can be."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.options.prepare_timeout_s)
+        except TimeoutError:
+            raise APIError(400, f"{what} took longer than {self.options.prepare_timeout_s:g} s: send a shorter "
+                                "request") from None
+
     async def submit(self, jobs: list[Job]) -> Group:
         """The jobs in the engine, or the refusal (503 when full, 400 when the engine refuses one)."""
         if not self.loop.alive:
@@ -143,7 +166,8 @@ class _Server:
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        jobs = completion_jobs(req, self.tokenizer, self.limits)
+        refuse_unsupported(req)
+        jobs = await self.prepare("tokenizing the prompt", completion_jobs, req, self.tokenizer, self.limits)
         group = await self.submit(jobs)
         if req.stream:
             return StreamingResponse(self._stream_completion(req, group), media_type="text/event-stream")
@@ -242,8 +266,8 @@ class _Server:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        prompt = render_chat(self.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-        job = chat_job(req, prompt, self.tokenizer, self.limits)
+        refuse_unsupported(req)
+        job = await self.prepare("rendering the chat template and tokenizing", self._chat_job, req)
         group = await self.submit([job])
         if req.stream:
             return StreamingResponse(self._stream_chat(req, group), media_type="text/event-stream")
@@ -264,6 +288,11 @@ class _Server:
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = fmt.prompt_logprobs_json(self.decoder, r.prompt_logprobs, req.prompt_logprobs)
         return JSONResponse(body)
+
+    def _chat_job(self, req: ChatCompletionRequest) -> Job:
+        prompt = render_chat(self.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                             req.chat_template, self.options.trust_request_chat_template)
+        return chat_job(req, prompt, self.tokenizer, self.limits)
 
     async def _stream_chat(self, req: ChatCompletionRequest, group: Group) -> AsyncIterator[str]:
         rid, created, name = fmt.new_id("chatcmpl"), fmt.now(), self.options.served_name
@@ -306,9 +335,11 @@ class _Server:
 
 
 def build_app(engine, tokenizer, served_name: str, *, max_logprobs: int = 20, max_queue: int | None = None,
-              root: str | None = None) -> FastAPI:
+              root: str | None = None, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              trust_request_chat_template: bool = False, prepare_timeout_s: float = PREPARE_TIMEOUT_S) -> FastAPI:
     """The app serving `engine` (an LLMEngine; its thread starts and stops with the app's lifespan)."""
-    server = _Server(engine, tokenizer, ServeOptions(served_name, max_logprobs, max_queue, root))
+    server = _Server(engine, tokenizer, ServeOptions(served_name, max_logprobs, max_queue, root, api_key,
+                                                     max_body_bytes, trust_request_chat_template, prepare_timeout_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -320,6 +351,9 @@ def build_app(engine, tokenizer, served_name: str, *, max_logprobs: int = 20, ma
 
     app = FastAPI(title="tokq serve", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)  # added last: runs first, before the body is read
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:

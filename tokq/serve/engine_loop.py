@@ -215,6 +215,9 @@ class EngineLoop:
             live = self._live.get(out.seq_id)
             if live is None:  # not one of ours (cannot happen: the loop owns the engine)
                 continue
+            if out.error is not None:  # this sequence's sampling failed: its request fails, the others go on
+                self._fail_group(live.group, out.error)
+                continue
             if out.new_token_ids:
                 live.token_times.extend([now] * len(out.new_token_ids))
             reason = out.finish_reason
@@ -226,6 +229,13 @@ class EngineLoop:
                 if not any(v.group is live.group for v in self._live.values()):
                     live.group.done = True
         self._update_gauges()
+
+    def _fail_group(self, group: Group, exc: Exception) -> None:
+        for seq_id, live in list(self._live.items()):
+            if live.group is group:
+                self._drop(seq_id, abort=True)  # not counted as a success in /metrics
+        group.done = True
+        group.push(Failed(exc))
 
     def _fail_all(self, exc: Exception) -> None:
         groups = {id(live.group): live.group for live in self._live.values()}

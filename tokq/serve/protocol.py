@@ -2,13 +2,16 @@
 
 Requests are pydantic models so a malformed body (a string where an integer goes) is a 400 naming the
 field. Unknown fields are accepted and ignored, as vLLM and OpenAI clients expect (clients send fields a
-server may not know, e.g. `user`). Responses are plain dicts built in `openai_format`: their shape is
-fixed by the API, not by this code.
+server may not know, e.g. `user`), except those that would change what comes back: structured output,
+tools, penalties, logit bias, beam search. tokq implements none of them, and ignoring one silently would hand
+the client output it did not ask for, so `refuse_unsupported` answers 400 naming the field unless its value
+is the neutral one. Responses are plain dicts built in `openai_format`: their shape is fixed by the API, not
+by this code.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,8 +25,8 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            self.status, "InternalServerError")
+        return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "PayloadTooLargeError", 503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
@@ -79,6 +82,43 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM: a template of the request's own (refused unless the operator allows)
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    tool_choice: Literal["none"] | str | dict | None = None
+
+
+# Fields tokq does not implement, with the values that mean "not used" (what a client sends by default).
+_NEUTRAL: dict[str, tuple] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "suffix": (None, ""),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "prompt_embeds": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+}
+
+
+def refuse_unsupported(req: BaseModel) -> None:
+    """400 naming the first field that asks for something tokq serve does not do (see the module docstring)."""
+    given = {**(req.model_extra or {}), **{k: getattr(req, k) for k in type(req).model_fields}}
+    for name, neutral in _NEUTRAL.items():
+        value = given.get(name)
+        if name in given and not any(type(value) is type(n) and value == n for n in neutral):  # True is not 1
+            raise bad_request(f"{name}={str(value)[:80]!r}: tokq serve does not support {name} (it would be "
+                              f"ignored, changing what you get back); leave it out", name)

@@ -14,6 +14,7 @@ from tokq.engine.quant_formats.base import (
     QuantFormat,
     ShardWeight,
     check_2d,
+    check_scale,
     check_shape,
     group_size_of,
     need,
@@ -32,6 +33,7 @@ def awq_weight(tensors: dict[str, torch.Tensor], bits: int, name: str = "layer")
         if t.dtype != torch.int32:
             raise ModelError(f"tensor {name}.{suffix} has dtype {t.dtype}, expected int32 (AutoAWQ GEMM layout)")
     check_2d(f"{name}.scales", scales)
+    scales = check_scale(f"{name}.scales", scales)
     groups, n = scales.shape
     k = qweight.shape[0]
     check_shape(f"{name}.qweight", qweight, (k, n * bits // 32), fix=f"for scales {tuple(scales.shape)}")

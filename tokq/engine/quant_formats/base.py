@@ -46,6 +46,25 @@ def need(tensors: dict[str, torch.Tensor], prefix: str, suffix: str) -> torch.Te
     return tensors[suffix]
 
 
+def check_scale(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """A weight scale as fp32, refused unless it is a float tensor of finite values >= 0, not all 0: an int32 scale,
+    a negative one or a tensor of zeros is no checkpoint any quantizer writes, and was read silently into
+    sign-flipped or zeroed weights. (A single zero is an all-zero group's scale in fp16, which is exact.)"""
+    if not scale.is_floating_point():
+        raise ModelError(f"tensor {name} has dtype {scale.dtype}; weight scales are floating point (fp16, bf16 or "
+                         "fp32): the checkpoint is corrupt or not the format it claims, re-export it")
+    scale = scale.float()
+    bad = ~torch.isfinite(scale) | (scale < 0)
+    if bool(bad.any()):
+        value = float(scale[bad][0])
+        raise ModelError(f"tensor {name} holds {int(bad.sum())} scale(s) that are negative or not finite (e.g. "
+                         f"{value:g}): no quantizer writes those; the checkpoint is corrupt, re-export it")
+    if scale.numel() and not bool(scale.any()):
+        raise ModelError(f"tensor {name} is all zeros: every weight of the layer would read as 0; the checkpoint "
+                         "is corrupt, re-export it")
+    return scale
+
+
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], fix: str = "") -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ModelError(f"tensor {name} has shape {tuple(tensor.shape)} but {expected} was expected "

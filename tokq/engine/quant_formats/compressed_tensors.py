@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from tokq.engine.quant_formats.base import QuantFormat, ShardWeight, check_shape, group_size_of, need
+from tokq.engine.quant_formats.base import (
+    QuantFormat,
+    ShardWeight,
+    check_scale,
+    check_shape,
+    group_size_of,
+    need,
+)
 from tokq.engine.quant_formats.packing import unpack_int32_dense
 from tokq.errors import ModelError
 from tokq.kernels.reference import FP8Weight, IntWeight
@@ -60,7 +67,7 @@ def compressed_tensors_weight(tensors: dict[str, torch.Tensor], weights: dict[st
     if strategy not in ("group", "channel", "tensor"):
         raise ModelError(f"{name}: weight strategy {strategy!r} is not supported; tokq reads group, channel and "
                          "tensor strategies")
-    scale = need(tensors, name, "weight_scale").float()
+    scale = check_scale(f"{name}.weight_scale", need(tensors, name, "weight_scale"))
     if kind == "float":
         if bits != 8 or strategy == "group":
             raise ModelError(f"{name}: float weights of {bits} bits with strategy {strategy!r} are not supported; "

@@ -18,6 +18,7 @@ from tokq.engine.quant_formats.base import (
     QuantFormat,
     ShardWeight,
     check_2d,
+    check_scale,
     check_shape,
     group_size_of,
     need,
@@ -34,6 +35,7 @@ def gptq_weight(tensors: dict[str, torch.Tensor], bits: int, version: int, name:
         if t.dtype != torch.int32:
             raise ModelError(f"tensor {name}.{suffix} has dtype {t.dtype}, expected int32 (AutoGPTQ layout)")
     check_2d(f"{name}.scales", scales)
+    scales = check_scale(f"{name}.scales", scales)
     groups, n = scales.shape
     k = qweight.shape[0] * 32 // bits
     check_shape(f"{name}.qweight", qweight, (k * bits // 32, n))

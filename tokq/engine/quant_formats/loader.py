@@ -36,6 +36,7 @@ from tokq.engine.quant_formats.gptq import GPTQFormat
 from tokq.engine.quant_linear import quantize_linear_
 from tokq.engine.safetensors_io import (
     check_all_filled,
+    check_tied_copy,
     checkpoint_targets,
     copy_dense_tensor,
     iter_tensors,
@@ -201,7 +202,10 @@ def load_quantized_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.d
                     pending[f"{n}.{suffix}"] = entry
     filled: set[str] = set()
     installed = 0
+    head = None
     for name, tensor in iter_tensors(checkpoint_dir):
+        if name == "lm_head.weight":
+            head = tensor
         entry = pending.get(name)
         if entry is not None:
             shard_name, _, suffix = name.rpartition(".")
@@ -213,5 +217,6 @@ def load_quantized_weights(model: CausalLM, checkpoint_dir: Path, dtype: torch.d
             continue
         copy_dense_tensor(model, targets, name, tensor, dtype, checkpoint_dir, filled)
     check_all_filled(targets, filled, checkpoint_dir)
+    check_tied_copy(model, head, checkpoint_dir)
     if installed == 0 and not (qc.get("kv_cache_scheme") and not qc.get("config_groups")):  # KV-only: expected
         log.warning("%s: quantization_config says %s but no layer has quantized tensors", checkpoint_dir, fmt.method)

@@ -69,3 +69,25 @@ def check_threshold(
     if on == "point":
         rule += f" ({pct} CI [{estimate.low:.4g}, {estimate.high:.4g}])"
     return ThresholdResult(metric, bucket, threshold, direction, estimate, not bad, float(bound), rule)
+
+
+def straddles(estimate: Estimate, threshold: float, direction: str) -> bool:
+    """Whether the interval holds the threshold (some of it meets the limit, some misses it): the data cannot
+    tell on which side the model is, so the rule is inconclusive rather than failed or passed."""
+    low, high = estimate.low, estimate.high
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return False
+    return (low <= threshold < high) if direction == "max" else (low < threshold <= high)
+
+
+def more_data_note(estimate: Estimate, threshold: float, unit: str = "documents") -> tuple[str, float | None]:
+    """How much more data would likely decide a straddling rule, as text and as a factor: an interval's half width
+    shrinks as 1 / sqrt(n), so it clears the threshold at about (half width / distance)^2 times the sample, if the
+    estimate stays where it is."""
+    half = (estimate.high - estimate.low) / 2
+    gap = abs(estimate.value - threshold)
+    if not math.isfinite(half) or gap < 1e-12 * max(1.0, abs(threshold)):
+        return "the estimate sits at the threshold: no sample size decides it", None
+    factor = max((half / gap) ** 2, 1.0)
+    return (f"about {math.ceil(estimate.n_docs * factor)} {unit} instead of {estimate.n_docs} would likely decide "
+            f"it", factor)
