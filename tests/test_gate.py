@@ -135,7 +135,7 @@ def test_speed_rule_fails_honestly(project, tmp_path):
     (lambda s: s.replace('damaged = { path = "damaged" }', 'damaged = { path = "gone" }'),
      "tokq.toml:7: [variants] damaged points at"),
     # the base itself as a variant would pass every rule: refused, however it is reached
-    (lambda s: s.replace('same = "same"', 'same = "base"'), "whose weights and config are the base's byte for byte"),
+    (lambda s: s.replace('same = "same"', 'same = "base"'), "whose weights and config are the base's"),
     (lambda s: s.replace("max_kl = 0.05", "max_kl = 1e308"), "max_kl = 1e+308 cannot fail"),
     (lambda s: s.replace("max_memory_ratio = 1.5", "min_tpot_speedup = 0"), "min_tpot_speedup = 0 cannot fail"),
 ])
@@ -159,7 +159,7 @@ def test_a_variant_that_is_the_base_is_refused(project, tmp_path, capsys, how):
     out = tmp_path / "report"
     assert main(["gate", "--config", str(path), "--out", str(out), "--no-speed"]) == 2
     err = capsys.readouterr().err.replace("\n", " ")
-    assert "[variants] same points at" in err and "the base's byte for byte" in err and not out.exists()
+    assert "[variants] same points at" in err and "byte for byte" in err and not out.exists()
 
 
 def test_out_that_is_not_a_report_folder_is_refused(project, tmp_path, capsys):

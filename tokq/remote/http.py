@@ -12,7 +12,8 @@ basic auth and never appears in a message (remote/urls.py).
 
 A server cannot hold a call past its deadline or flood memory: httpx's timeouts are per read (a server trickling
 a byte a second never trips them), so JSON answers are read in chunks against the call's own deadline, and a
-decoded (gunzipped) answer above `max_response_bytes` is refused (a gzip bomb took a client to 982 MB).
+decoded (gunzipped) answer above `max_response_bytes` is refused (a gzip bomb took a client to 982 MB): both in
+remote/bounded_body.py.
 """
 
 from __future__ import annotations
@@ -29,53 +30,11 @@ from dataclasses import dataclass
 import httpx
 
 from tokq.errors import TokqError
+from tokq.remote.bounded_body import Deadline, Encoding, TooLarge, aread_bounded, read_bounded
 
 RETRY_STATUSES = (429, 503)
 # A scored window's answer: 32K prompt tokens x 21 entries of ~70 bytes is ~50 MB; four times that is a bomb.
 MAX_RESPONSE_BYTES = 256 * 2**20
-
-
-class _Deadline(Exception):
-    """The call's total deadline passed while the answer was still arriving."""
-
-
-class _TooLarge(Exception):
-    """The decoded answer grew past max_response_bytes."""
-
-
-class _Encoding(Exception):
-    """An answer in a content encoding this client did not offer."""
-
-
-_PIECE = 1 << 16  # decoded bytes per decompression step: a 1000:1 bomb never inflates a whole chunk at once
-
-
-class _Decoder:
-    """The answer's raw bytes -> its content, in pieces of at most _PIECE bytes. httpx's own decoders inflate a
-    whole network chunk in one call (64 KB of a gzip bomb -> 64 MB); this one stops at each piece so that the size
-    cap is checked before memory grows. Only the encodings the client offers (gzip, deflate) are accepted."""
-
-    def __init__(self, encoding: str):
-        encoding = encoding.strip().lower()
-        if encoding in ("", "identity"):
-            self.inflate = None
-        elif encoding in ("gzip", "x-gzip", "deflate"):
-            self.inflate = zlib.decompressobj(15 + 32)  # zlib or gzip header, detected
-        else:
-            raise _Encoding(encoding)
-
-    def feed(self, raw: bytes):
-        if self.inflate is None:
-            yield raw
-            return
-        data = raw
-        while data:
-            yield self.inflate.decompress(data, _PIECE)
-            data = self.inflate.unconsumed_tail
-
-    def close(self):
-        if self.inflate is not None:
-            yield self.inflate.flush()
 
 
 class EndpointError(TokqError):
@@ -229,7 +188,7 @@ class EndpointClient:
         return self.base_url + path
 
     def _headers(self) -> dict[str, str]:
-        accept = {"Accept-Encoding": "gzip, deflate"}  # what _Decoder reads, a piece at a time
+        accept = {"Accept-Encoding": "gzip, deflate"}  # what bounded_body reads, a piece at a time
         return {**accept, "Authorization": f"Bearer {self.api_key}"} if self.api_key else accept
 
     def _client(self) -> httpx.Client:
@@ -244,41 +203,19 @@ class EndpointClient:
             self._async = httpx.AsyncClient(headers=self._headers(), limits=limits, auth=self._auth)
         return self._async
 
-    def _take(self, chunks: list[bytes], chunk: bytes, retry: _Retrying) -> None:
-        """One decoded chunk of an answer, against the size cap and the call's deadline."""
-        chunks.append(chunk)
-        if sum(map(len, chunks)) > self.max_response_bytes:
-            raise _TooLarge
-        if retry.remaining() <= 0:
-            raise _Deadline
-
     def _read(self, response: httpx.Response, retry: _Retrying) -> bytes:
-        chunks: list[bytes] = []
-        decoder = _Decoder(response.headers.get("content-encoding", ""))
-        for raw in response.iter_raw():
-            for piece in decoder.feed(raw):
-                self._take(chunks, piece, retry)
-        for piece in decoder.close():
-            self._take(chunks, piece, retry)
-        return b"".join(chunks)
+        return read_bounded(response, self.max_response_bytes, retry.remaining)
 
     async def _aread(self, response: httpx.Response, retry: _Retrying) -> bytes:
-        chunks: list[bytes] = []
-        decoder = _Decoder(response.headers.get("content-encoding", ""))
-        async for raw in response.aiter_raw():
-            for piece in decoder.feed(raw):
-                self._take(chunks, piece, retry)
-        for piece in decoder.close():
-            self._take(chunks, piece, retry)
-        return b"".join(chunks)
+        return await aread_bounded(response, self.max_response_bytes, retry.remaining)
 
     def _refusal(self, exc: Exception, retry: _Retrying, status: int) -> EndpointError:
-        if isinstance(exc, _Encoding):
+        if isinstance(exc, Encoding):
             return retry.error(status, f"the answer is in content encoding {str(exc)[:40]!r}, which was not asked "
                                        "for (gzip or deflate)")
         if isinstance(exc, zlib.error):
             return retry.error(status, f"the answer's compressed body is corrupt ({exc})")
-        if isinstance(exc, _TooLarge):
+        if isinstance(exc, TooLarge):
             return retry.error(status, f"the answer is larger than {self.max_response_bytes} bytes decoded; nothing "
                                        "was kept")
         return EndpointError(f"{retry.url}: the answer was still arriving when the {self.timeout_s:g} s timeout "
@@ -324,7 +261,7 @@ class EndpointClient:
                 response = self._client().send(request, stream=True)
                 try:
                     content = self._read(response, retry)
-                except (_TooLarge, _Deadline, _Encoding, zlib.error) as exc:
+                except (TooLarge, Deadline, Encoding, zlib.error) as exc:
                     raise self._refusal(exc, retry, response.status_code) from None
                 finally:
                     response.close()
@@ -371,7 +308,7 @@ class EndpointClient:
                 response = await self._aclient().send(request, stream=True)
                 try:
                     content = await self._aread(response, retry)
-                except (_TooLarge, _Deadline, _Encoding, zlib.error) as exc:
+                except (TooLarge, Deadline, Encoding, zlib.error) as exc:
                     raise self._refusal(exc, retry, response.status_code) from None
                 finally:
                     await response.aclose()
@@ -414,7 +351,7 @@ class EndpointClient:
                         async for line in response.aiter_lines():
                             now = time.perf_counter()
                             if retry.remaining() <= 0:  # a stream that trickles past the call's deadline
-                                raise self._refusal(_Deadline(), retry, status)
+                                raise self._refusal(Deadline(), retry, status)
                             if not line.startswith("data:"):
                                 continue  # blank separators, comments, event: lines
                             payload = line[5:].strip()
