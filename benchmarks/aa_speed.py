@@ -1,10 +1,12 @@
 """A/A benchmark of the gate's paired speed experiment: base against a byte-identical copy of itself.
 
-    python benchmarks/aa_speed.py [--model smollm2-135m] [--runs 20] [--seconds 20] [--out PATH]
+    python benchmarks/aa_speed.py [--model smollm2-135m] [--runs 20] [--seconds 15] [--prompt-len 256]
+        [--gen-len 64] [--concurrency 8] [--out PATH]
 
-Two models loaded from the same checkpoint (separate tensors, as a copied folder gives) play the gate's default
-[bench] workload (512-token prompts, 256 tokens, 16 at once) through engine.paired_bench, `--runs` times, each
-analysed as the gate analyses it (evalsuite.speed_stats). With no real difference every ratio is 1, so a 95%
+Two models loaded from the same checkpoint (separate tensors, as a copied folder gives) play a [bench] workload
+(default 256-token prompts, 64 tokens, 8 at once: the gate's own 512/256/16 takes over a minute a run on 2 cores)
+through engine.paired_bench with the gate's block size, `--runs` times, each analysed as the gate analyses it
+(evalsuite.speed_stats). With no real difference every ratio is 1, so a 95%
 interval that is honest contains 1.0 in about 95% of runs; a method biased towards one side (the side run first,
 the model compiled first, memory placement) shows as intervals that miss 1 far more often than 1 in 20, all on one
 side. Writes benchmarks/results/aa-speed-<model>-cpu.json: each run's ratio and interval per metric, the coverage
@@ -39,7 +41,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--seconds", type=float, default=20.0, help="budget of each paired experiment")
+    ap.add_argument("--seconds", type=float, default=15.0, help="budget of each paired experiment")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -57,7 +62,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     path = resolve_model(args.model)
-    w = BenchWorkload()
+    w = BenchWorkload(prompt_len=args.prompt_len, gen_len=args.gen_len, concurrency=args.concurrency)
     models = {"base": load_model(path, dtype="bf16"), "variant": load_model(path, dtype="bf16")}
     runs = []
     for run in range(args.runs):
