@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.test_models_vs_hf import make_hf_checkpoint
-from tests.test_quantize_cli import save_word_tokenizer
+from tests.test_serve_units import tiny_engine
 
 PROMPT = "w1 w2 w3 w4"
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
@@ -25,25 +25,16 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_gene
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    from tokq.serve.launch import load_engine
-
-    path = tmp_path_factory.mktemp("hostile-serve") / "tiny"
-    make_hf_checkpoint("llama", path)
-    save_word_tokenizer(path)
-    config = path / "tokenizer_config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": TEMPLATE}))
-    return load_engine(str(path), dtype="fp32", device="cpu", kv_memory="16MiB", max_num_seqs=4)
+    return tiny_engine(tmp_path_factory.mktemp("hostile-serve") / "tiny", TEMPLATE)
 
 
 def _serve(loaded, own_engine: bool = True, **options):
     """A server with `options`; on an engine of its own (one engine loop per engine: the module's server keeps
     running on `loaded.engine`)."""
     from tokq.serve.app import build_app
-    from tokq.serve.launch import load_engine
     from tokq.serve.testing import serve_in_thread
 
-    engine = load_engine(loaded.checkpoint, dtype="fp32", device="cpu", kv_memory="16MiB",
-                         max_num_seqs=4).engine if own_engine else loaded.engine
+    engine = tiny_engine(Path(loaded.checkpoint)).engine if own_engine else loaded.engine
     return serve_in_thread(build_app(engine, loaded.tokenizer, "tiny", **options))
 
 
@@ -121,9 +112,8 @@ def test_the_engine_api_raises_its_own_sampling_failure(loaded, monkeypatch):
     import tokq.engine.llm_engine as engine_module
     from tokq.engine.llm_engine import EngineError
     from tokq.engine.sampling import SamplingParams
-    from tokq.serve.launch import load_engine
 
-    engine = load_engine(loaded.checkpoint, dtype="fp32", device="cpu", kv_memory="16MiB", max_num_seqs=4).engine
+    engine = tiny_engine(Path(loaded.checkpoint)).engine
     real = engine_module.sample
     monkeypatch.setattr(engine_module, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("bad row")))
     with pytest.raises(EngineError, match="sampling failed for prompt 0: bad row"):

@@ -16,14 +16,23 @@ from tests.test_quantize_cli import save_word_tokenizer
 PROMPT = "w1 w2 w3 w4"
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def tiny_engine(path, chat_template: str | None = None):
+    """A tiny llama with the word tokenizer at `path` (with `chat_template` when given), loaded for serving: fp32,
+    a 16 MiB cache, 4 sequences."""
     from tokq.serve.launch import load_engine
 
-    path = tmp_path_factory.mktemp("units") / "tiny"
-    make_hf_checkpoint("llama", path)
-    save_word_tokenizer(path)
+    if not path.exists():
+        make_hf_checkpoint("llama", path)
+        save_word_tokenizer(path)
+        if chat_template is not None:
+            config = path / "tokenizer_config.json"
+            config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": chat_template}))
     return load_engine(str(path), dtype="fp32", device="cpu", kv_memory="16MiB", max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return tiny_engine(tmp_path_factory.mktemp("units") / "tiny")
 
 
 @pytest.fixture(scope="module")
