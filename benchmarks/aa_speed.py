@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reuse-engines", action="store_true",
+                    help="one engine pair for every run (a diagnostic: effects of an engine's own allocations then "
+                         "repeat from run to run instead of varying)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -65,10 +68,12 @@ def main() -> None:
     w = BenchWorkload(prompt_len=args.prompt_len, gen_len=args.gen_len, concurrency=args.concurrency)
     models = {"base": load_model(path, dtype="bf16"), "variant": load_model(path, dtype="bf16")}
     runs = []
+    engines = None
     for run in range(args.runs):
         workload = Workload(w.prompt_len, w.gen_len, w.num_prompts or w.concurrency, w.gen_len_range, float("inf"),
                             seed=run)
-        engines = paired_engines(models, workload, w.concurrency)
+        if engines is None or not args.reuse_engines:
+            engines = paired_engines(models, workload, w.concurrency)
         started = time.perf_counter()
         trace = run_paired(engines, workload, models["base"].config.vocab_size, budget_s=args.seconds,
                            block_steps=w.block_steps)
@@ -81,7 +86,8 @@ def main() -> None:
         runs.append(row)
         shown = ", ".join(f"{m} {row[m]['ratio']:.4f} [{row[m]['low']:.4f}, {row[m]['high']:.4f}]" for m in METRICS)
         print(f"run {run + 1}/{args.runs}: {shown}", file=sys.stderr, flush=True)
-        del engines
+        if not args.reuse_engines:
+            engines = None
     coverage = {}
     for metric in METRICS:
         hits = sum(r[metric]["covers_1"] for r in runs)
@@ -91,7 +97,8 @@ def main() -> None:
                             "rate_95ci": [low, high], "misses_above_1": above,
                             "misses_below_1": len(runs) - hits - above,
                             "consistent_with_95": low <= 0.95 <= high}
-    result = {"benchmark": "aa_speed", "model": args.model, "workload": {"prompt_len": w.prompt_len,
+    result = {"benchmark": "aa_speed", "model": args.model, "reuse_engines": args.reuse_engines,
+              "workload": {"prompt_len": w.prompt_len,
               "gen_len": w.gen_len, "concurrency": w.concurrency, "block_steps": w.block_steps,
               "seconds": args.seconds}, "threads": torch.get_num_threads(),
               "cpu": platform.processor() or platform.machine(), "load_average_before": load_before,

@@ -147,7 +147,8 @@ def run_paired(engines: dict[str, LLMEngine], workload: Workload, vocab_size: in
             break
         # fresh prompts each pass (a repeated prompt would hit the prefix cache), the same on both sides
         prompts = replace(workload, seed=workload.seed + 7919 * (len(passes) + 1)).prompts(vocab_size, documents)
-        trace, next_block = _one_pass(engines, prompts, lengths, offsets, block_steps, next_block)
+        trace, next_block = _one_pass(engines, prompts, lengths, offsets, block_steps, next_block,
+                                      base_first=len(passes) % 2 == 0)
         passes.append(trace)
         if on_pass:
             on_pass(len(passes), time.perf_counter() - start)
@@ -155,7 +156,11 @@ def run_paired(engines: dict[str, LLMEngine], workload: Workload, vocab_size: in
 
 
 def _one_pass(engines: dict[str, LLMEngine], prompts: list[list[int]], lengths: list[int], offsets: list[float],
-              block_steps: int, first_block: int) -> tuple[PassTrace, int]:
+              block_steps: int, first_block: int, base_first: bool = True) -> tuple[PassTrace, int]:
+    """One pass; blocks alternate which side runs first, starting with the base when `base_first`. The first block
+    of a pass (new prompts admitted, caches cold after the last pass) favours the side that runs second: passes
+    alternate who starts, so that no side gets it every pass (an A/A run found the variant ~0.6% faster, every
+    interval that missed 1 on the variant's side)."""
     sides = {s: _Side(engines[s]) for s in SIDES}
     trace = PassTrace(admitted_at=[-1] * len(prompts), prompt_tokens=[len(p) for p in prompts])
     pending = sorted(range(len(prompts)), key=lambda i: offsets[i])
@@ -170,7 +175,7 @@ def _one_pass(engines: dict[str, LLMEngine], prompts: list[list[int]], lengths: 
             for side in sides.values():
                 side.admit(i, prompts[i], lengths[i])
             idle = False
-        order = SIDES if (block - first_block) % 2 == 0 else SIDES[::-1]
+        order = SIDES if ((block - first_block) % 2 == 0) == base_first else SIDES[::-1]
         trace.first_side.append(order[0])
         ran: dict[str, list[StepTrace]] = {}
         for s in order:
