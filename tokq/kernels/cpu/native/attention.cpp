@@ -173,6 +173,12 @@ inline void prefetch(const T* p, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
+template <typename T>
+inline void prefetch_l2(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
 struct Chunk {
   int64_t seq, lo, hi;  // keys [lo, hi) of sequence `seq`
 };
@@ -295,11 +301,17 @@ void decode_chunk_bf16(const Chunk& c, const uint16_t* qp, const uint16_t* kp, c
   float* scores = w.scores.data();
   const uint16_t* q = qp + c.seq * Hq * D;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j) prefetch(kp + offsets[j], slot);
+  for (int64_t j = 0; j < std::min<int64_t>(16, n); ++j) {
+    prefetch(kp + offsets[j], slot);
+    prefetch_l2(vp + offsets[j], slot);
+  }
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
     const int64_t keys = std::min<int64_t>(16, n - i0);
     // the next 16 keys' slots into L1, and this block's values into L2 for the pass below
-    for (int64_t j = i0 + 16; j < std::min(n, i0 + 32); ++j) prefetch(kp + offsets[j], slot);
+    for (int64_t j = i0 + 16; j < std::min(n, i0 + 32); ++j) {
+      prefetch(kp + offsets[j], slot);
+      prefetch_l2(vp + offsets[j], slot);
+    }
     const __mmask16 valid = static_cast<__mmask16>((1u << keys) - 1);
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t g = 0; g < G; ++g) {
