@@ -44,7 +44,7 @@ def test_per_bucket_rules(tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.replace('model = "smollm2-135m"', "# no model"), r"tokq.toml:\d+: \[base\] needs model"),
     (lambda s: s.replace("concurrency = 16", "concurrency = \"many\""),
-     r"tokq.toml:24: \[bench\] concurrency = 'many' must be an integer"),
+     r"tokq.toml:26: \[bench\] concurrency = 'many' must be an integer"),
     (lambda s: s.replace("max_kl = 0.05", "max_kl = \"low\""), r"tokq.toml:\d+: \[gate.quality\] max_kl = 'low' must be a number"),
     (lambda s: s.replace("window = 2048", "windw = 2048"), r"\[data.default\] windw is not a known key"),
     (lambda s: s.replace("[bench]\nprompt_len", "[bench]\nspeed = 3\nprompt_len"), r"\[bench\] speed is not a known key"),

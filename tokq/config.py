@@ -9,8 +9,11 @@
     w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }   # built by `tokq quantize` when missing
 
     [data.default]
-    path = "~/.cache/tokq/data/default"
+    builtin = "default"             # tokq's own long-document set, built on this machine at first use
     window = 2048
+
+    [data.mine]
+    path = "docs"                   # a folder of your documents (relative to this file)
     sample_windows = 16
     max_doc_mb = 64                 # read caps, as `tokq compare --max-doc-mb / --max-file-mb`
     max_file_mb = 1024
@@ -52,6 +55,7 @@ from typing import Any
 from tokq.config_checker import Checker, check_url_variant, table_error, url_side
 from tokq.errors import ConfigError
 from tokq.evalsuite.rule_defs import POSITION_BUCKETS, QUALITY_RULES, SPEED_RULES, UNBUCKETED_RULES
+from tokq.longctx.builtin_sets import builtin_problem, builtin_set_path
 from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
 from tokq.quantization.recipe import METHOD_NAMES, gate_target_problem, recipe_options
 from tokq.zoo_catalog import ZOO
@@ -64,8 +68,8 @@ else:  # pragma: no cover
 log = logging.getLogger("tokq")
 
 CONFIG_NAME = "tokq.toml"
-DATA_KEYS = {"path", "window", "stride", "max_tokens", "sample_windows", "probe_max_context", "probe_depths",
-             "probe_repeats", "max_doc_mb", "max_file_mb"}
+DATA_KEYS = {"path", "builtin", "window", "stride", "max_tokens", "sample_windows", "probe_max_context",
+             "probe_depths", "probe_repeats", "max_doc_mb", "max_file_mb"}
 # [data.NAME] keys in MiB, as the --max-doc-mb / --max-file-mb flags take them: any positive finite number.
 DATA_MIB_KEYS = {"max_doc_mb", "max_file_mb"}
 # Rule names: evalsuite.rule_defs (QUALITY_RULES for [gate.quality] and [compare.thresholds], SPEED_RULES for
@@ -137,7 +141,7 @@ class Rule:
 @dataclass
 class DataSet:
     name: str
-    path: Path
+    path: Path  # the folder read; for a built-in set, where this machine keeps it (built at first use)
     window: int = 2048
     stride: int | None = None
     max_tokens: int | None = None
@@ -147,6 +151,7 @@ class DataSet:
     probe_repeats: int = 1  # probes (each its own key) per (context, depth)
     max_doc_mb: float = DEFAULT_MAX_DOC_MB  # read caps (documents.ReadLimits), as `compare --max-doc-mb`
     max_file_mb: float = DEFAULT_MAX_FILE_MB
+    builtin: str | None = None  # a tokq built-in set's name (longctx.builtin_sets), instead of a path
 
 
 @dataclass
@@ -214,7 +219,7 @@ def load_project(path: Path) -> Project:
         project.variants[name] = _variant(check, path, name, entry)
     for name, entry in check.table(raw, "data").items():
         if not isinstance(entry, dict):
-            raise check.fail("data", name, "must be a table: [data.NAME] with path = ...")
+            raise check.fail("data", name, "must be a table: [data.NAME] with path = ... or builtin = ...")
         project.data[name] = _data_set(check, path, name, entry)
     bench = check.table(raw, "bench", {"prompt_len", "gen_len", "concurrency", "num_prompts", "gen_len_range",
                                        "arrival_rate", "max_seconds", "block_steps", "rounds"})
@@ -333,11 +338,18 @@ def _data_set(check: Checker, path: Path, name: str, entry: dict) -> DataSet:
     for key in entry:
         if key not in DATA_KEYS:
             raise check.fail(table, key, f"is not a known key; known: {', '.join(sorted(DATA_KEYS))}")
-    if "path" not in entry:
-        raise check.fail(table, None, "needs path = \"<folder of documents>\"")
-    folder = Path(check.string(table, "path", entry["path"])).expanduser()
-    data = DataSet(name, folder if folder.is_absolute() else path.parent / folder)
-    for key in sorted(DATA_KEYS - {"path"} - DATA_MIB_KEYS):
+    if ("path" in entry) == ("builtin" in entry):
+        raise check.fail(table, None, "needs one of path = \"<folder of documents>\" (relative to this file) or "
+                                      f"builtin = \"default\" (tokq's own set), not {'both' if 'path' in entry else 'neither'}")
+    if "builtin" in entry:
+        problem = builtin_problem(entry["builtin"])
+        if problem:
+            raise check.fail(table, "builtin", problem)
+        data = DataSet(name, builtin_set_path(entry["builtin"]), builtin=entry["builtin"])
+    else:
+        folder = Path(check.string(table, "path", entry["path"])).expanduser()
+        data = DataSet(name, folder if folder.is_absolute() else path.parent / folder)
+    for key in sorted(DATA_KEYS - {"path", "builtin"} - DATA_MIB_KEYS):
         if key in entry:
             setattr(data, key, int(check.number(table, key, entry[key], integer=True, minimum=1)))
     for key in sorted(DATA_MIB_KEYS & set(entry)):

@@ -13,7 +13,9 @@ int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme =
 # w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }
 
 [data.default]
-path = "~/.cache/tokq/data/default"   # your long documents (txt, md, rst, jsonl, .gz; parquet, arrow)
+builtin = "default"                    # tokq's own long-document set, built on each machine at first use;
+                                       # for yours: path = "docs" (a folder relative to this file: txt, md,
+                                       # rst, jsonl, .gz; parquet, arrow)
 window = 2048                          # tokens per scored window
 sample_windows = 16                    # windows spread evenly over the documents
 probe_repeats = 2                      # passkey probes per (context, depth): 2 contexts x 5 depths x 2 = 20

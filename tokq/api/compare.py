@@ -109,24 +109,33 @@ def compare(a: str | Path, b: str | Path, *, data: str | Path | None = None, rep
 
 
 def resolve_data(data: str | Path | None) -> tuple[Path | None, dict]:
-    """(folder, settings): a folder as it is; a tokq.toml [data.NAME] set name -> its path and its keys."""
+    """(folder, settings): a folder as it is; a tokq.toml [data.NAME] set name -> its path and its keys; the name of
+    a tokq built-in set (`default`) -> this machine's copy, built at first use."""
     if data is None:
         return None, {}
     folder = Path(data).expanduser()
     if folder.is_dir() or isinstance(data, Path) or "/" in str(data):
         return folder, {}
     from tokq.config import find_config, load_project
+    from tokq.longctx.builtin_sets import builtin_problem, ensure_builtin_set
 
     config = find_config()
     project = load_project(config) if config is not None else None
-    if project is None or str(data) not in project.data:
-        return folder, {}  # not a set name: the folder check names it
-    return data_set_settings(project.data[str(data)])
+    if project is not None and str(data) in project.data:
+        return data_set_settings(project.data[str(data)])
+    if builtin_problem(str(data)) is None:
+        return ensure_builtin_set(str(data), console.print), {}
+    return folder, {}  # neither a set name nor a built-in set: the folder check names it
 
 
 def data_set_settings(data_set) -> tuple[Path, dict]:
-    """A [data.NAME] table as (folder, CompareSettings keys): its keys are CompareSettings field names."""
-    keys = {k: v for k, v in vars(data_set).items() if k not in ("name", "path")}
+    """A [data.NAME] table as (folder, CompareSettings keys): its keys are CompareSettings field names. A built-in
+    set is built here the first time a machine uses it."""
+    keys = {k: v for k, v in vars(data_set).items() if k not in ("name", "path", "builtin")}
+    if data_set.builtin is not None:
+        from tokq.longctx.builtin_sets import ensure_builtin_set
+
+        return ensure_builtin_set(data_set.builtin, console.print), keys
     return data_set.path, keys
 
 
