@@ -145,17 +145,19 @@ def test_missing_file_points_to_init(tmp_path):
 
 
 def test_ci_examples_run_the_gate():
-    """The CI examples parse as YAML and run `tokq gate`, keep its report and publish its JUnit file."""
+    """The CI examples parse as YAML: GitHub's uses tokq's action (tests/test_ci_action.py runs both), GitLab's
+    runs `tokq gate`, keeps its report and publishes its JUnit file."""
     from pathlib import Path
 
     yaml = pytest.importorskip("yaml")
-    root = Path(__file__).resolve().parents[1] / "examples" / "ci"
-    github = yaml.safe_load((root / "github-actions.yml").read_text())
-    steps = github["jobs"]["gate"]["steps"]
-    assert any(s.get("run", "").startswith("tokq gate") for s in steps)
-    assert any("junit.xml" in str(s.get("with", {})) for s in steps)
-    gitlab = yaml.safe_load((root / "gitlab-ci.yml").read_text())["tokq-gate"]
-    assert any(line.startswith("tokq gate") for line in gitlab["script"])
+    root = Path(__file__).resolve().parents[1]
+    github = yaml.safe_load((root / "examples" / "ci" / "github-actions.yml").read_text())
+    assert any("/tokq@" in s.get("uses", "") for s in github["jobs"]["gate"]["steps"])
+    action = yaml.safe_load((root / "action.yml").read_text())
+    assert any("tokq gate" in s.get("run", "") for s in action["runs"]["steps"])
+    assert any("junit.xml" in str(s.get("with", {})) for s in action["runs"]["steps"])
+    gitlab = yaml.safe_load((root / "examples" / "ci" / "gitlab-ci.yml").read_text())["tokq-gate"]
+    assert any("tokq gate" in line for line in gitlab["script"])
     assert gitlab["artifacts"]["reports"]["junit"] == "tokq_gate/junit.xml"
 
 
@@ -248,22 +250,26 @@ def test_ci_examples_fail_the_job_on_every_nonzero_exit(tmp_path, code):
     import subprocess
 
     yaml = pytest.importorskip("yaml")
-    root = Path(__file__).resolve().parents[1] / "examples" / "ci"
-    github = yaml.safe_load((root / "github-actions.yml").read_text())
-    (step,) = [s["run"] for s in github["jobs"]["gate"]["steps"] if s.get("run", "").startswith("tokq gate")]
-    gitlab = yaml.safe_load((root / "gitlab-ci.yml").read_text())["tokq-gate"]["script"]
+    root = Path(__file__).resolve().parents[1]
+    action = yaml.safe_load((root / "action.yml").read_text())
+    (gate_step,) = [s for s in action["runs"]["steps"] if s.get("id") == "gate"]
+    gitlab = yaml.safe_load((root / "examples" / "ci" / "gitlab-ci.yml").read_text())["tokq-gate"]["script"]
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "tokq").write_text(f"#!/bin/sh\nexit {code}\n")
     (fake / "tokq").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
-    # GitHub runs `bash -e`; GitLab runs the script lines in one shell with errexit.
-    # GitLab's lines from the gate on (the ones before install tokq).
-    gate_lines = gitlab[next(i for i, line in enumerate(gitlab) if line.startswith("tokq gate")):]
-    for shell, script in ((["bash", "-e", "-c"], step), (["sh", "-e", "-c"], "\n".join(gate_lines))):
+    outputs = tmp_path / "github_output"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GITHUB_OUTPUT": str(outputs),
+           "TOKQ_CONFIG_FILE": "tokq.toml", "TOKQ_REPORT_DIR": "tokq_gate"}
+    # GitHub runs `bash --noprofile --norc -eo pipefail`; GitLab runs the script lines in one shell with errexit,
+    # here from the gate's line on (the ones before install tokq).
+    gate_lines = gitlab[next(i for i, line in enumerate(gitlab) if "tokq gate" in line):]
+    for shell, script in ((["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c"], gate_step["run"]),
+                          (["sh", "-e", "-c"], "\n".join(gate_lines))):
         done = subprocess.run([*shell, script], env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == code, (script, done.stderr)
         assert ("inconclusive (exit 3): rerun the job or lengthen the run" in done.stdout) == (code == 3)
+    assert outputs.read_text() == f"exit-code={code}\n"  # the action's output
 
 
 @pytest.mark.parametrize("value,message", [

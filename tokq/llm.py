@@ -139,9 +139,11 @@ def _progress(enabled: bool, what: str, total: int) -> Iterator[Callable[[int], 
         yield None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from tokq.progress import progress_display
 
     columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+    with progress_display(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(what, total=total)
         yield lambda n: progress.advance(task, n)

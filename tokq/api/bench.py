@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from tokq import __version__
+from tokq.progress import progress_display
 from tokq.settings import BenchSettings, settings_from
 
 console = Console(stderr=True)
@@ -61,9 +62,15 @@ def bench_endpoint(base_url: str, **options) -> dict:
 
 
 def run_bench_endpoint(s) -> dict:
+    """The client bench against an OpenAI-compatible server (`tokq bench --base-url`), with progress."""
     from tokq.remote.bench_serve import run_serve_bench
+    from tokq.remote.urls import redact
 
-    return run_serve_bench(s)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+               TimeElapsedColumn())
+    with progress_display(*columns, console=console) as progress:
+        task = progress.add_task(f"bench {redact(s.base_url)}", total=None)
+        return run_serve_bench(s, lambda total: progress.update(task, total=total, advance=1))
 
 
 def run_bench(variants: list[str], s: BenchSettings, runtime) -> BenchResult:
@@ -111,7 +118,7 @@ def run_bench(variants: list[str], s: BenchSettings, runtime) -> BenchResult:
     rows: list[dict] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with progress_display(*columns, console=console, transient=True) as progress:
         for name in variants:
             model = load_model(checkpoints[name], dtype=compute, device=runtime.device)
             rows += bench_model(name, model, workload, modes, engine_kwargs, bandwidth["gbps_median"], prompts,

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from tokq.errors import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_OK
+from tokq.progress import progress_display
 from tokq.settings import CompareSettings, settings_from
 
 console = Console(stderr=True)
@@ -214,7 +215,7 @@ def run_compare_settings(a: str, b: str, data: Path | None, s: CompareSettings, 
                        threshold_on=s.threshold_on)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
                TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with progress_display(*columns, console=console, transient=True) as progress:
         def track(label: str, total: int):
             task = progress.add_task(label, total=total)
             return lambda n: progress.advance(task, n)

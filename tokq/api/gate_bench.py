@@ -14,7 +14,7 @@ console = Console(stderr=True)
 
 def paired_bench(project, checkpoint: Path, base: Path, runtime, seed: int) -> dict:
     """The paired speed experiment (engine.paired_bench) on the [bench] workload and its analysis."""
-    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import TextColumn, TimeElapsedColumn
 
     from tokq.engine.checkpoint import load_model
     from tokq.engine.paired_bench import SIDES, paired_engines, run_paired
@@ -22,6 +22,7 @@ def paired_bench(project, checkpoint: Path, base: Path, runtime, seed: int) -> d
     from tokq.engine.workload import Workload
     from tokq.evalsuite.speed_stats import analyze
     from tokq.machine_load import LoadMonitor
+    from tokq.progress import progress_display
 
     w = project.bench
     workload = Workload(w.prompt_len, w.gen_len, w.num_prompts or w.concurrency, w.gen_len_range,
@@ -34,7 +35,7 @@ def paired_bench(project, checkpoint: Path, base: Path, runtime, seed: int) -> d
               "variant": load_model(checkpoint, dtype=compute, device=runtime.device)}
     engines = paired_engines(models, workload, w.concurrency)
     monitor = LoadMonitor()
-    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as progress:
+    with progress_display(TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task("paired bench: pass 0", total=None)
         trace = run_paired(engines, workload, models["base"].config.vocab_size, budget_s=w.max_seconds,
                            block_steps=w.block_steps,
@@ -65,10 +66,11 @@ def paired_http_bench(project, sides: dict[str, str | Path], runtime, seed: int,
     """The paired speed experiment over HTTP (remote.paired_http_bench) when a side is a URL: `sides` maps "base"
     and "variant" to a compare side (`url=...#model=...`) or a local checkpoint, which is served in this process
     for the duration, so that both sides are measured by the same client over the same HTTP path."""
-    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import TextColumn, TimeElapsedColumn
 
     from tokq.engine.tokenizer import load_tokenizer
     from tokq.engine.workload import Workload
+    from tokq.progress import progress_display
     from tokq.remote.endpoint_scoring import parse_side
     from tokq.remote.paired_http_bench import (
         SIDES,
@@ -104,7 +106,7 @@ def paired_http_bench(project, sides: dict[str, str | Path], runtime, seed: int,
                 local[s], local[s].name, max_model_len=w.prompt_len + max(lengths) + 16,
                 max_num_seqs=w.concurrency, dtype=project.dtype, device=str(runtime.device)))
             http[s] = HttpSide(url, None, "in_process")
-        with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+        with progress_display(TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=True) as progress:
             task = progress.add_task("paired bench over HTTP: block 0", total=None)
             trace = run_paired_http(http, tokenizer, workload, budget_s=w.max_seconds, seed=seed, timeout_s=timeout,

@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
-    Progress,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -27,6 +26,7 @@ from rich.progress import (
 from tokq import __version__
 from tokq.api.quantize_mix import check_mix_settings
 from tokq.errors import ConfigError
+from tokq.progress import progress_display
 from tokq.settings import QuantizeSettings, settings_from
 
 console = Console(stderr=True)
@@ -120,7 +120,6 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
     from tokq.errors import DataError
     from tokq.longctx.read_limits import read_limits
     from tokq.outputs import CHECKPOINT, check_replaceable, output_lock
-    from tokq.paths import data_dir
     from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.formats.compressed_tensors import save_quantized
     from tokq.quantization.lm_head import quantize_lm_head_
@@ -184,11 +183,10 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         calib = s.calib
         # a search calibrates on its choice documents; KV scales are calibrated on the same windows as the weights
         if (run_method in NEEDS_CALIBRATION or s.kv_cache) and not searched:
-            if calib is None:
-                calib = data_dir() / "default"
-                if not calib.is_dir():
-                    raise DataError(f"the default document set {calib} is not built yet: run `tokq data "
-                                    "build-default` or pass --calib DIR")
+            if calib is None:  # tokq's built-in set, built here at its first use on this machine
+                from tokq.longctx.builtin_sets import ensure_builtin_set
+
+                calib = ensure_builtin_set("default", console.print)
             tokenizer = load_tokenizer(checkpoint)
             if s.seq_len > config.max_position_embeddings:
                 raise DataError(f"--seq-len {s.seq_len} exceeds the context of {model} "
@@ -237,7 +235,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             if streamed:
                 columns = (TextColumn(f"{method} block (streamed)"), BarColumn(), MofNCompleteColumn(),
                            TimeElapsedColumn(), TimeRemainingColumn())
-                with Progress(*columns, console=console, transient=False) as progress:
+                with progress_display(*columns, console=console, transient=False) as progress:
                     task = progress.add_task("blocks", total=blocks)
                     weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
                     done = quantize_streamed(checkpoint, config, run_method, resolved, weight_calibration, options, out,
@@ -250,7 +248,7 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
             else:
                 columns = (TextColumn(f"{method} block"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            TimeRemainingColumn())
-                with Progress(*columns, console=console, transient=False) as progress:
+                with progress_display(*columns, console=console, transient=False) as progress:
                     task = progress.add_task("blocks", total=blocks)
                     # RTN and fp8 take no activations; their windows (drawn for --kv-cache) wait for the KV scales
                     weight_calibration = calibration if run_method in NEEDS_CALIBRATION else None
@@ -354,7 +352,7 @@ def _calibrate_kv(lm, calibration, s: QuantizeSettings):
 
     batch = 4
     columns = (TextColumn("KV scales"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
+    with progress_display(*columns, console=console, transient=False) as progress:
         task = progress.add_task("kv", total=-(-calibration.num_samples // batch))
         scales = calibrate_kv_scales(lm, calibration.tokens, batch, source=f"calibrated on {calibration.source}",
                                      on_batch=lambda _i: progress.advance(task))

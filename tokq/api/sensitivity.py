@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from tokq.longctx.read_limits import DEFAULT_MAX_DOC_MB, DEFAULT_MAX_FILE_MB
+from tokq.progress import progress_display
 
 console = Console(stderr=True)
 DEFAULT_WINDOW = 128
@@ -136,7 +137,7 @@ def run_sensitivity(model: str, data: Path | None, s: SensitivitySettings, runti
                   resamples=s.resamples, seed=s.seed, use_cache=s.use_cache)
     if progress:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as bar:
+        with progress_display(*columns, console=console, transient=True) as bar:
             task = bar.add_task("sensitivity", total=None)
 
             def on_step(done: int, total: int, label: str) -> None:

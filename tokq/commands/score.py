@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from tokq import __version__
@@ -16,6 +16,7 @@ from tokq.longctx.read_limits import (
     MAX_DOC_MB_HELP,
     MAX_FILE_MB_HELP,
 )
+from tokq.progress import progress_display
 
 console = Console(stderr=True)
 
@@ -76,7 +77,7 @@ def score_cmd(
     lm = load_model(checkpoint, dtype=dtype, device=runtime.device)
 
     columns = (TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with progress_display(*columns, console=console, transient=True) as progress:
         task = progress.add_task("score", total=windows.n_tokens)
         result = score_windows(lm, windows.windows, on_window=lambda n: progress.advance(task, n))
 

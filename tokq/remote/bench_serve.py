@@ -16,6 +16,7 @@ import contextlib
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -244,13 +245,18 @@ async def _arrivals(requests: list[SampleRequest], rate: float, burstiness: floa
 
 
 async def run_requests(client: EndpointClient, s: ServeBenchSettings, model: str,
-                       requests: list[SampleRequest]) -> tuple[list[RequestOutput], float]:
-    """Send every request (Poisson arrivals, at most max_concurrency in flight); (outputs, duration in s)."""
+                       requests: list[SampleRequest],
+                       on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
+    """Send every request (Poisson arrivals, at most max_concurrency in flight); (outputs, duration in s).
+    `on_done` is called as each request ends (progress)."""
     limit = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None
 
     async def one(req: SampleRequest) -> RequestOutput:
         async with limit if limit else contextlib.nullcontext():
-            return await send_request(client, s, model, req)
+            output = await send_request(client, s, model, req)
+        if on_done is not None:
+            on_done()
+        return output
 
     start = time.perf_counter()
     tasks = [asyncio.create_task(one(req))
@@ -310,8 +316,9 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestOutput
     return result
 
 
-def run_serve_bench(s: ServeBenchSettings) -> dict:
-    """Run the client bench against `s.base_url`; the vLLM-shaped result dict (plus the client's load)."""
+def run_serve_bench(s: ServeBenchSettings, on_request_done: Callable[[int], None] | None = None) -> dict:
+    """Run the client bench against `s.base_url`; the vLLM-shaped result dict (plus the client's load).
+    `on_request_done(total)` is called as each benchmarked request ends."""
     from tokq.machine_load import LoadMonitor
 
     _check(s)
@@ -329,7 +336,8 @@ def run_serve_bench(s: ServeBenchSettings) -> dict:
                 if not test.success:
                     raise EndpointError(f"the test request failed, nothing was benchmarked: {test.error}")
                 monitor = LoadMonitor()
-                outputs, duration = await run_requests(client, s, model, requests)
+                done = (lambda: on_request_done(len(requests))) if on_request_done else None
+                outputs, duration = await run_requests(client, s, model, requests, done)
                 return outputs, duration, monitor.stop()
             finally:
                 await client.aclose()
