@@ -197,3 +197,4 @@ def test_the_gitlab_template_gates_a_fresh_clone_and_the_second_run_reuses_its_c
     assert "follows its recipe" in runs[1][1].stderr.replace("\n", " ")
     assert "follows its recipe" not in runs[0][1].stderr.replace("\n", " ")
     assert job["artifacts"]["reports"]["junit"] == "tokq_gate/junit.xml"
+    assert re.fullmatch(r"[0-9a-f]{40}", job["variables"]["TOKQ_COMMIT"])  # a commit, never a branch or tag
