@@ -211,3 +211,29 @@ def test_full_queue_is_503_and_sigterm_drains(checkpoint, tmp_path):
         assert srv.proc.wait(60) == 0, srv.log.read_text()
     finally:
         srv.stop()
+
+
+def test_chat_template_and_kv_cache_dtype_flags_as_vllm_names_them(checkpoint, llm, tmp_path):
+    """--chat-template FILE replaces the tokenizer's template; --kv-cache-dtype is vLLM's name of --kv-dtype."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}w7 {{ m['content'] }} {% endfor %}w8")
+    (tmp_path / "home").mkdir()
+    srv = Server(checkpoint, tmp_path / "home", "--chat-template", str(template), "--kv-cache-dtype", "auto")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w3 w4"}],
+                                             max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].message.content == llm.generate("w7 w3 w4 w8", _greedy(max_tokens=5))[0].text
+    finally:
+        srv.stop()
+
+
+def test_unknown_routes_answer_openai_error_json_and_version_answers(server):
+    for method, path in (("GET", "/tokenize"), ("POST", "/v1/embeddings"), ("DELETE", "/v1/models")):
+        got = httpx.request(method, server.url + path, timeout=10)
+        error = got.json()["error"]
+        assert got.status_code in (404, 405) and error["code"] == got.status_code, (path, got.text)
+        assert f"{method} {path}: no such route" in error["message"]
+    from tokq import __version__
+
+    assert httpx.get(server.url + "/version", timeout=10).json() == {"version": __version__}

@@ -120,3 +120,28 @@ def test_stop_strings_cut_the_text_streamed_or_not(http):
 def test_chat_without_a_template_is_400(http):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_read_chat_template_takes_a_file_or_the_template_and_refuses_the_rest(tmp_path):
+    from tokq.errors import ConfigError
+    from tokq.serve.chat import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ConfigError, match=r"--chat-template nosuch.jinja: no such file"):
+        read_chat_template("nosuch.jinja")
+    path.write_text("{% for m in messages %}\n{{ m['content'] }")
+    with pytest.raises(ConfigError, match=r"--chat-template: line 2: .*fix the template"):
+        read_chat_template(str(path))
+    path.write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        read_chat_template(str(path))
+
+
+def test_serve_refuses_a_bad_chat_template_before_loading(tmp_path, capsys):
+    from tokq.cli import main
+
+    assert main(["serve", str(tmp_path / "no-model"), "--chat-template", "nosuch.jinja"]) == 2
+    assert "--chat-template nosuch.jinja: no such file" in capsys.readouterr().err

@@ -9,11 +9,11 @@ $TOKQ_HOME/models/<name>, atomically. provenance.json is written last and marks 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -126,6 +126,25 @@ def locate_gguf(model: ZooModel, scratch: Path) -> Path:
     return assembled
 
 
+@contextlib.contextmanager
+def _quiet_gguf_reader():
+    """transformers' GGUF reader draws its own tqdm bar whatever its progress-bar setting (and TQDM_DISABLE is read
+    only when tqdm is imported): raw bar characters in a log, beside tokq's own progress. Its bar is turned off
+    for the conversion."""
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    original = getattr(reader, "tqdm", None)
+    if original is not None:
+        reader.tqdm = partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            reader.tqdm = original
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> dict:
     """Dequantize a GGUF into a bf16 HF checkpoint with transformers' GGUF reader; returns config.json."""
     import torch
@@ -134,11 +153,11 @@ def convert_gguf(gguf: Path, out_dir: Path) -> dict:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's own bar; tokq's CLI shows a rich one
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.bfloat16, local_files_only=True,
-    )
+    with _quiet_gguf_reader():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.bfloat16, local_files_only=True,
+        )
     # The saved checkpoint is a plain dense one: drop the GGUF quantization marker from its config.
     for cfg in (model.config, getattr(model.config, "text_config", None)):
         if cfg is not None and hasattr(cfg, "quantization_config"):

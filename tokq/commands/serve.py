@@ -29,7 +29,11 @@ def serve_cmd(
                                                             "device's free memory, capped at what --max-num-seqs "
                                                             "full-length requests need)."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16."),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype: auto (the compute dtype), fp16, bf16, fp32, fp8."),
+    kv_dtype: str = typer.Option("auto", "--kv-cache-dtype", "--kv-dtype",
+                                 help="KV cache dtype: auto (the compute dtype), fp16, bf16, fp32, fp8."),
+    chat_template: str = typer.Option(None, "--chat-template",
+                                      help="A chat template replacing the tokenizer's: a Jinja file, or the "
+                                           "template itself (as vLLM's --chat-template)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the global RNG (requests without a seed)."),
@@ -58,10 +62,17 @@ def serve_cmd(
         raise ConfigError(f"--max-body-mb {max_body_mb}: must be > 0")
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the option out to serve without one")
+    template = None
+    if chat_template is not None:  # refused before minutes of loading, not after
+        from tokq.serve.chat import read_chat_template
+
+        template = read_chat_template(chat_template)
     setup_runtime(threads, device, seed)
     loaded = load_engine(model, dtype=dtype, device=device, kv_memory=kv_memory,
                          kv_dtype=None if kv_dtype == "auto" else kv_dtype, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    if template is not None:
+        loaded.tokenizer.chat_template = template
     app = build_app(loaded.engine, loaded.tokenizer, served_model_name or model, max_logprobs=max_logprobs,
                     max_queue=max_queue, root=loaded.checkpoint, api_key=api_key,
                     max_body_bytes=int(max_body_mb * 2**20), trust_request_chat_template=trust_request_chat_template)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokq.serve import openai_format as fmt
@@ -358,6 +359,22 @@ def build_app(engine, tokenizer, served_name: str, *, max_logprobs: int = 20, ma
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # an unknown route or method: OpenAI's error JSON, as every other refusal, not the framework's {"detail"}
+        message = (f"{request.method} {request.url.path}: no such route (this server answers /v1/completions, "
+                   "/v1/chat/completions, /v1/models, /version, /health and /metrics)") if exc.status_code in (
+                       404, 405) else str(exc.detail)
+        return JSONResponse({"error": {"message": message, "type": "NotFoundError" if exc.status_code == 404
+                                       else "BadRequestError", "param": None, "code": exc.status_code}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.get("/version")
+    async def version() -> dict:
+        from tokq import __version__
+
+        return {"version": __version__}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -72,3 +72,37 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
                                              add_generation_prompt=add_generation_prompt, **variables)
     except Exception as exc:  # jinja2 raises TemplateError subclasses, and templates raise_exception(...)
         raise bad_request(f"the chat template refused the messages: {exc}", "messages") from None
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def read_chat_template(value: str) -> str:
+    """`tokq serve --chat-template` as vLLM takes it: a file holding a Jinja chat template, or the template itself;
+    checked to parse before the model loads (ConfigError naming the problem)."""
+    from pathlib import Path
+
+    import jinja2
+
+    from tokq.errors import ConfigError
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise ConfigError(f"--chat-template {path}: {path.stat().st_size} bytes, more than a chat template "
+                              f"({MAX_TEMPLATE_BYTES} bytes at most)")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"--chat-template {path}: not UTF-8 text; give a Jinja template file") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ConfigError(f"--chat-template {value}: no such file; give a Jinja template file, or the template "
+                          "itself (it holds {{ ... }} or {% ... %})")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"--chat-template: line {exc.lineno}: {exc.message}; fix the template") from None
+    return text
+
