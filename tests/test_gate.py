@@ -430,3 +430,27 @@ def test_a_variant_judged_far_from_its_calibration_is_warned_about(project, tmp_
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert "rtn: warning:" in markdown and "calibrated on documents far from these" in markdown
     assert "calibrated on documents far from these" in err and code == 0  # a warning, not a verdict
+
+
+def test_html_report_says_what_the_markdown_says(project, tmp_path):
+    """report.html carries each variant's decode path, noise floor, KL tail and calibration distance, as report.md
+    does; an inconclusive rule and verdict stand out in their own style, not as a pass."""
+    from tokq.reports.gate_report import gate_html, gate_markdown
+
+    code, report = gate(project, tmp_path, "--no-speed", "--variant", "same")
+    compare = report["variants"]["same"]["compare"]
+    compare["calibration_distance"] = {"b": {
+        "warning": "these documents lie far from the calibration documents", "calibration_source": "code/",
+        "calibration_tokens": 1000, "evaluated_tokens": 2000, "excess_bits": 0.61, "js_bits": 0.7,
+        "same_distribution_bits": 0.09, "threshold": 0.25}}
+    rule = report["variants"]["same"]["rules"][0]
+    rule.update(result="inconclusive", passed=False, inconclusive=True)
+    report["result"], report["passed"] = "inconclusive", False
+    page, markdown = gate_html(report), gate_markdown(report)
+    assert "Quality details: same" in page and "decode path" in page
+    assert "KL tail over the scored tokens" in page and "KL tail over the scored tokens" in markdown
+    if compare.get("noise_floor"):
+        assert "Noise floor" in page and "Noise floor" in markdown
+    assert "far from the calibration documents" in page and "0.610 bits" in page and "0.610 bits" in markdown
+    assert '<span class=inconclusive>INCONCLUSIVE</span>' in page and "<td class=inconclusive>INCONCLUSIVE" in page
+    assert ".inconclusive{" in page

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokq.reports import plots
 from tokq.reports.folder import write_report_folder
-from tokq.reports.html import render_page
+from tokq.reports.html import quality_details, render_page
 from tokq.reports.junit import junit_xml
 from tokq.reports.markdown import compare_markdown, probes_line
 
@@ -177,6 +177,10 @@ metrics come from its own clock, stalls excluded (counted below).</p><table><tr>
 {% for e in s.rows %}<tr>{% for cell in e %}<td>{{ cell }}</td>{% endfor %}</tr>
 {% endfor %}</table>
 {% endfor %}
+{% for d in details %}
+<h2>Quality details: {{ d.name }}</h2>
+{{ d.html }}
+{% endfor %}
 {% for p in probes %}
 <h2>Retrieval probes: {{ p.name }}</h2>
 <p>{{ p.line }}</p>
@@ -215,6 +219,7 @@ def gate_html(report: dict) -> str:
                        context=[line.replace("`", "") for line in _context_lines(report)], rules=rules,
                        kl_plot=kl_plot, top1_plot=top1_plot, documents_plot=documents_plot, speed=speed,
                        speed_columns=[c[0] for c in SPEED_COLUMNS], probes=probes, searches=searches,
+                       details=[{"name": name, "html": quality_details(result)} for name, result in results.items()],
                        version=report["tokq_version"])
 
 

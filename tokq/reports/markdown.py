@@ -64,28 +64,51 @@ def _few_documents(result: dict) -> list[str]:
                 "may not hold; score more documents for intervals to rely on."]
 
 
-def _kl_tails(result: dict) -> list[str]:
-    """Per-token KL quantiles and RMS Δp as llama.cpp's KLD report gives them, per path and prefill bucket."""
+def kl_tail(result: dict) -> tuple[str, list[list[str]]] | None:
+    """Per-token KL quantiles and RMS Δp as llama.cpp's KLD report gives them, per path and prefill bucket:
+    (the line above the table, rows of [scope, *cells]); None for results without them. The Markdown and the HTML
+    reports both show this."""
     pre = result["prefill"]
     if "kl_p95" not in pre["overall"]:
-        return []
+        return None
     source = "" if pre.get("kl_tails_from", "kl") == "kl" else (
         " The KL here is each token's top-k + rest lower bound (the full KL is only estimated in the mean), so its "
         "quantiles are lower bounds.")
-    rows = [("prefill", pre["overall"]), *((f"prefill {label}", est) for label, est in pre["buckets"].items())]
+    scopes = [("prefill", pre["overall"]), *((f"prefill {label}", est) for label, est in pre["buckets"].items())]
     if result.get("decode"):
-        rows.insert(1, ("decode", result["decode"]["overall"]))
-    lines = ["", "KL tail over the scored tokens (95% percentile intervals from the document bootstrap; the maximum "
-                 f"has none).{source}", "",
-             "| scope | " + " | ".join(label for _, label in TAIL_COLUMNS) + " |",
-             "|---" * (len(TAIL_COLUMNS) + 1) + "|"]
-    for scope, ests in rows:
+        scopes.insert(1, ("decode", result["decode"]["overall"]))
+    rows = []
+    for scope, ests in scopes:
         cells = []
         for name, _ in TAIL_COLUMNS:
             est = ests.get(name)
             cells.append("-" if est is None else _fmt(est["value"], name) if name == "kl_max" else _ci(est, name))
-        lines.append(f"| {scope} | " + " | ".join(cells) + " |")
-    return lines
+        rows.append([scope, *cells])
+    return ("KL tail over the scored tokens (95% percentile intervals from the document bootstrap; the maximum has "
+            f"none).{source}", rows)
+
+
+def _kl_tails(result: dict) -> list[str]:
+    tail = kl_tail(result)
+    if tail is None:
+        return []
+    line, rows = tail
+    return ["", line, "", "| scope | " + " | ".join(label for _, label in TAIL_COLUMNS) + " |",
+            "|---" * (len(TAIL_COLUMNS) + 1) + "|", *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def noise_floor_line(result: dict) -> str | None:
+    floor = result.get("noise_floor")
+    if not floor:
+        return None
+    return (f"Noise floor ({floor['what']}): mean KL {floor['kl_mean']:.2e}, top-1 {floor['top1']:.2%} over "
+            f"{floor['tokens']} tokens.")
+
+
+def kv_cache_lines(result: dict) -> list[str]:
+    # only an int8/fp8 cache is worth a line: its scales decide its error
+    return [f"{result[side]['name']}'s KV cache: {cache['scales']}."
+            for side, cache in (result.get("kv_cache") or {}).items() if cache.get("scales")]
 
 
 def calibration_distance_lines(result: dict) -> list[str]:
@@ -120,14 +143,11 @@ def compare_markdown(result: dict) -> str:
         pre = result["prefill"]["overall"].get(m)
         dec = (result.get("decode") or {}).get("overall", {}).get(m)
         lines.append(f"| {METRIC_LABELS[m]} | {_ci(pre, m) if pre else '-'} | {_ci(dec, m) if dec else '-'} |")
-    for side, cache in (result.get("kv_cache") or {}).items():
-        if cache.get("scales"):  # only an int8/fp8 cache is worth a line: its scales decide its error
-            lines += ["", f"{result[side]['name']}'s KV cache: {cache['scales']}."]
+    for line in kv_cache_lines(result):
+        lines += ["", line]
     lines += calibration_distance_lines(result)
-    floor = result.get("noise_floor")
-    if floor:
-        lines += ["", f"Noise floor ({floor['what']}): mean KL {floor['kl_mean']:.2e}, top-1 {floor['top1']:.2%} "
-                      f"over {floor['tokens']} tokens."]
+    if noise_floor_line(result):
+        lines += ["", noise_floor_line(result)]
     lines += ["", "| position bucket | tokens | KL(A‖B) | top-1 | PPL ratio |", "|---|---|---|---|---|"]
     for label, est in result["prefill"]["buckets"].items():
         lines.append(f"| {label} | {est['kl']['n_tokens']} | {_ci(est['kl'], 'kl')} | {_ci(est['top1'], 'top1')} | "
