@@ -166,3 +166,43 @@ def test_in_process_bench_takes_the_vllm_names(checkpoint, tmp_path):
     assert report["rows"][0]["metrics"]["prompt_tokens"] == 36
     # --base-url measures the server: a model argument beside it is refused, not silently ignored
     assert main(["bench", str(checkpoint), "--base-url", "http://127.0.0.1:1"]) == 2
+    assert main(["bench", str(checkpoint), "--no-ignore-eos"]) == 2  # the engine's bench always ignores EOS
+    assert main(["bench", str(checkpoint), "--burstiness", "0"]) == 2
+
+
+def test_one_schema_in_process_and_against_a_server(server, checkpoint, tmp_path, monkeypatch):
+    """A row of the in-process bench carries, under `serving`, the very keys --base-url reports for a server."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(checkpoint), "--random-input-len", "10", "--random-output-len", "4",
+                 "--max-concurrency", "2", "--num-prompts", "3", "--request-rate", "200", "--burstiness", "0.5",
+                 "--dtype", "fp32", "--json", str(out)]) == 0
+    serving = json.loads(out.read_text())["rows"][0]["metrics"]["serving"]
+    assert json.loads(out.read_text())["workload"]["burstiness"] == 0.5
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--base-url", server + "/v1", "--model", str(checkpoint), "--num-prompts", "3",
+                 "--random-input-len", "10", "--random-output-len", "4", "--max-concurrency", "2",
+                 "--request-rate", "200", "--burstiness", "0.5", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                 "--save-result", "--result-dir", "results"]) == 0
+    (saved,) = (tmp_path / "results").glob("openai-*.json")
+    remote = json.loads(saved.read_text())
+    assert remote["burstiness"] == 0.5
+    assert set(serving) <= set(remote), sorted(set(serving) - set(remote))
+    assert serving["completed"] == remote["completed"] == 3
+    assert serving["total_output_tokens"] == remote["total_output_tokens"] == 12
+    for key in ("mean_ttft_ms", "p99_itl_ms", "median_tpot_ms", "mean_e2el_ms", "output_throughput"):
+        assert serving[key] > 0 and remote[key] > 0, key
+
+
+def test_burstiness_keeps_the_mean_rate_and_changes_the_spread():
+    import statistics
+
+    from tokq.engine.workload import Workload
+
+    def gaps(b):
+        t = Workload(num_requests=4000, arrival_rate=10.0, burstiness=b).arrival_offsets()
+        return [y - x for x, y in zip(t, t[1:], strict=False)]
+
+    poisson, bursty, steady = gaps(1.0), gaps(0.25), gaps(4.0)
+    for g in (poisson, bursty, steady):
+        assert abs(statistics.fmean(g) - 0.1) < 0.012  # 10 requests a second on average, whatever the shape
+    assert statistics.stdev(bursty) > 1.5 * statistics.stdev(poisson) > 2 * statistics.stdev(steady)

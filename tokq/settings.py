@@ -94,6 +94,7 @@ class BenchSettings:
     concurrency: int = 16
     num_prompts: int | None = None  # default: concurrency
     arrival_rate: float = math.inf  # requests per second (inf: all at once)
+    burstiness: float = 1.0  # gamma shape of the arrival gaps (1: Poisson), as vLLM's --burstiness
     static: bool = False
     draft: str | None = None
     num_speculative: int = 4

@@ -7,6 +7,7 @@ copy bandwidth measured in the same run) with the fraction achieved. `draft` add
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,8 +94,10 @@ def run_bench(variants: list[str], s: BenchSettings, runtime) -> BenchResult:
         raise ConfigError(f"--gen-len-range {s.gen_len_range}: must be in [0, 1)")
     if s.arrival_rate <= 0:
         raise ConfigError(f"--arrival-rate {s.arrival_rate}: must be > 0 requests per second")
+    if not (s.burstiness > 0 and math.isfinite(s.burstiness)):
+        raise ConfigError(f"--burstiness {s.burstiness}: must be a positive number (1: Poisson arrivals)")
     workload = Workload(s.prompt_len, s.gen_len, s.num_prompts or s.concurrency, s.gen_len_range, s.arrival_rate,
-                        s.seed)
+                        s.seed, s.burstiness)
     checkpoints = {v: resolve_model(v) for v in variants}
     configs = {v: read_config(c) for v, c in checkpoints.items()}
     vocab = {c.vocab_size for c in configs.values()}

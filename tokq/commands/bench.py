@@ -69,6 +69,15 @@ def bench_cmd(
     save_result: bool = typer.Option(False, "--save-result", help="With --base-url: write the result JSON "
                                                                   "(vLLM's file name unless --result-filename)."),
     result_filename: Path = typer.Option(None, "--result-filename", help="With --base-url: the JSON's path."),
+    result_dir: Path = typer.Option(None, "--result-dir", help="With --save-result: the folder of the JSON (vLLM's "
+                                                               "option; default: the working directory)."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of the gaps between arrivals with "
+                                                               "--request-rate: 1 Poisson, < 1 burstier, > 1 "
+                                                               "steadier (vLLM's)."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
+                                    help="Generate every requested token even past an end-of-sequence token. "
+                                         "tokq's own engine always does (every variant makes the same tokens); "
+                                         "--no-ignore-eos applies to --base-url."),
     timeout: float = typer.Option(600.0, "--timeout", help="With --base-url: seconds one request may take, "
                                                            "retries included."),
 ) -> None:
@@ -83,14 +92,20 @@ def bench_cmd(
             raise ConfigError(f"tokq bench --base-url measures the server, not {', '.join(variants)}: drop the "
                               "model arguments (name the served model with --model)")
         settings = ServeBenchSettings(
-            base_url, endpoint=endpoint, model=model, tokenizer=tokenizer,
+            base_url, endpoint=endpoint, model=model, tokenizer=tokenizer, burstiness=burstiness,
+            ignore_eos=ignore_eos,
             dataset_name=dataset_name or ("docs" if documents else "random"), data=documents,
             num_prompts=num_prompts or concurrency or 16, random_input_len=prompt_len, random_output_len=gen_len,
             random_range_ratio=random_range_ratio, max_concurrency=concurrency, request_rate=arrival_rate,
             percentile_metrics=percentile_metrics, metric_percentiles=metric_percentiles, seed=seed,
             timeout_s=timeout)
-        _bench_endpoint(settings, json_path, save_result, result_filename)
+        _bench_endpoint(settings, json_path, save_result, result_filename, result_dir)
         return
+    if not ignore_eos:
+        from tokq.errors import ConfigError
+
+        raise ConfigError("--no-ignore-eos: tokq's in-process bench always generates every requested token, so "
+                          "that every variant makes the same number; it applies to --base-url runs")
     concurrency = concurrency or 16
     from tokq.api.bench import run_bench
     from tokq.reports.json_io import check_json_target, write_json
@@ -101,7 +116,8 @@ def bench_cmd(
     runtime = setup_runtime(threads, device, seed)
     settings = BenchSettings(prompt_len=prompt_len, gen_len=gen_len, gen_len_range=gen_len_range,
                              concurrency=concurrency, num_prompts=num_prompts, arrival_rate=arrival_rate,
-                             static=static, draft=draft, num_speculative=num_speculative, dtype=dtype,
+                             burstiness=burstiness, static=static, draft=draft, num_speculative=num_speculative,
+                             dtype=dtype,
                              kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_batched_tokens=max_num_batched_tokens,
                              data=documents, seed=seed)
     result = run_bench(variants, settings, runtime)
@@ -110,7 +126,8 @@ def bench_cmd(
         write_json(json_path, result.to_json())
 
 
-def _bench_endpoint(settings, json_path: Path | None, save_result: bool, result_filename: Path | None) -> None:
+def _bench_endpoint(settings, json_path: Path | None, save_result: bool, result_filename: Path | None,
+                    result_dir: Path | None = None) -> None:
     from tokq.api.bench import run_bench_endpoint
     from tokq.remote.bench_serve import (
         default_result_filename,
@@ -126,7 +143,11 @@ def _bench_endpoint(settings, json_path: Path | None, save_result: bool, result_
     print(format_result(result, parse_percentile_metrics(settings.percentile_metrics),
                         parse_metric_percentiles(settings.metric_percentiles)))
     if save_result or result_filename:
-        write_json(result_filename or Path(default_result_filename(result)), result, "--result-filename")
+        target = result_filename or Path(default_result_filename(result))
+        if result_dir is not None and not target.is_absolute():
+            result_dir.mkdir(parents=True, exist_ok=True)
+            target = result_dir / target
+        write_json(target, result, "--result-filename")
     if json_path:
         write_json(json_path, result)
 

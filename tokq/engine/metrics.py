@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tokq.engine.sequence import Sequence
+from tokq.serving_metrics import serving_summary
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -82,6 +83,8 @@ class RunMetrics:
     prefix_hit_rate: float
     steps: int
     tbt_samples_s: list[float] = field(default_factory=list)  # every TBT of the run (for distributions)
+    # the same run under vLLM's names (tokq.serving_metrics): the keys `tokq bench --base-url` reports for a server
+    serving: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, per_request: list[RequestMetrics], wall_s: float, **extra) -> RunMetrics:
@@ -99,6 +102,10 @@ class RunMetrics:
             tbt_samples_s=tbts,
             output_tokens_per_s=output / wall_s if wall_s else float("nan"),
             total_tokens_per_s=(prompt + output) / wall_s if wall_s else float("nan"),
+            serving=serving_summary(
+                duration_s=wall_s, completed=len(per_request), failed=0, input_tokens=prompt, output_tokens=output,
+                series_s={"ttft": ttfts, "tpot": tpots, "itl": tbts,
+                          "e2el": [r.e2e_s for r in per_request if r.e2e_s is not None]}),
             **extra,
         )
 

@@ -4,7 +4,8 @@
 token windows of real documents) with output lengths of `gen_len` tokens, or, with `gen_len_range`
 r > 0, drawn uniformly from [gen_len (1 - r), gen_len (1 + r)] (mixed lengths: what makes static
 batching wait for its longest member). Arrivals are all at once, or a Poisson process of
-`arrival_rate` requests per second (seeded exponential gaps). Outputs are forced to their length
+`arrival_rate` requests per second (seeded exponential gaps; with `burstiness` b != 1, gamma gaps of shape b and
+the same mean, as vLLM's --burstiness). Outputs are forced to their length
 (ignore_eos), so every variant produces the same number of tokens.
 """
 
@@ -32,6 +33,7 @@ class Workload:
     gen_len_range: float = 0.0
     arrival_rate: float = math.inf  # requests per second; inf = all at once
     seed: int = 0
+    burstiness: float = 1.0  # gamma shape of the gaps between arrivals (vLLM's): 1 Poisson, < 1 burstier
 
     def to_json(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
@@ -60,6 +62,13 @@ class Workload:
         """Seconds after the start at which each request arrives."""
         if math.isinf(self.arrival_rate):
             return [0.0] * self.num_requests
+        if self.burstiness != 1.0:  # gamma gaps with the same mean 1 / rate, as vLLM's --burstiness
+            import random
+
+            rng = random.Random(self.seed + 2)
+            gaps = [0.0] + [rng.gammavariate(self.burstiness, 1.0 / (self.burstiness * self.arrival_rate))
+                            for _ in range(self.num_requests - 1)]
+            return [sum(gaps[: i + 1]) for i in range(len(gaps))]
         g = torch.Generator().manual_seed(self.seed + 2)
         gaps = torch.empty(self.num_requests).exponential_(self.arrival_rate, generator=g)
         gaps[0] = 0.0

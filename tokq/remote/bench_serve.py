@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tokq.errors import ConfigError
 from tokq.remote.http import EndpointClient, EndpointError
+from tokq.serving_metrics import serving_summary
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -265,15 +266,6 @@ async def run_requests(client: EndpointClient, s: ServeBenchSettings, model: str
     return list(outputs), time.perf_counter() - start
 
 
-def _stats(values: list[float], percentiles: list[float]) -> dict[str, float]:
-    import numpy as np
-
-    arr = np.asarray(values or [0.0]) * 1000
-    out = {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std())}
-    out |= {f"p{int(p) if int(p) == p else p}": float(np.percentile(arr, p)) for p in percentiles}
-    return out
-
-
 def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestOutput], duration: float, tokenizer,
                       metrics: list[str], percentiles: list[float]) -> dict:
     """vLLM's calculate_metrics: totals, throughputs and per-metric mean/median/std/percentiles in ms."""
@@ -301,19 +293,13 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestOutput
         errors.append("")
         completed += 1
     total_in = sum(n for n, o in zip(input_lens, outputs, strict=True) if o.success)
-    total_out = sum(output_lens)
-    result = {"duration": duration, "completed": completed, "failed": len(outputs) - completed,
-              "total_input_tokens": total_in, "total_output_tokens": total_out,
-              "request_throughput": completed / duration, "output_throughput": total_out / duration,
-              "total_token_throughput": (total_in + total_out) / duration,
-              "input_lens": input_lens, "output_lens": output_lens, "ttfts": ttfts, "itls": itls,
-              "errors": errors}
     done_ttfts = [t for t, o in zip(ttfts, outputs, strict=True) if o.success]
     series = {"ttft": done_ttfts, "tpot": tpots, "itl": [g for gaps in itls for g in gaps], "e2el": e2els}
-    for metric in metrics:
-        for stat, value in _stats(series[metric], percentiles).items():
-            result[f"{stat}_{metric}_ms"] = value
-    return result
+    result = serving_summary(duration_s=duration, completed=completed, failed=len(outputs) - completed,
+                             input_tokens=total_in, output_tokens=sum(output_lens), series_s=series,
+                             percentiles=percentiles, metrics=metrics)
+    return result | {"input_lens": input_lens, "output_lens": output_lens, "ttfts": ttfts, "itls": itls,
+                     "errors": errors}
 
 
 def run_serve_bench(s: ServeBenchSettings, on_request_done: Callable[[int], None] | None = None) -> dict:
