@@ -141,8 +141,9 @@ def summary(runs: list[dict]) -> dict:
 
 
 def quality_texts(tokenizer, n: int, length: int) -> list[str]:
-    """n windows of `length` tokens of this repository's README (real English and code, not random ids)."""
-    ids = tokenizer((ROOT / "README.md").read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    """n windows of `length` tokens of this repository's README and docs (real English and code, not random ids)."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     step = max(length, (len(ids) - length) // max(n, 1))
     return [tokenizer.decode(ids[i: i + length]) for i in range(0, len(ids) - length, step)][:n]
 

@@ -484,7 +484,8 @@ def logprobs_phase(scratch: Path, args) -> dict:
     out: dict = {"checkpoint": str(checkpoint), "dtype": "fp32", "topk": args.topk,
                  "load_average_before": load_average()}
     llm = LLM(checkpoint, dtype="fp32", kv_memory="256MiB", max_model_len=args.window_len + 64)
-    ids = llm.tokenizer((ROOT / "README.md").read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    text = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]  # README and docs: real English and code
     step = (len(ids) - args.window_len) // max(args.windows, 1)
     windows = [ids[i * step: i * step + args.window_len] for i in range(args.windows)]
     scores = llm.score(windows, topk=args.topk)

@@ -4,7 +4,7 @@ source, compiled at first use from the installed copy) and a quantization of a t
 
 from __future__ import annotations
 
-import shutil
+import re
 import subprocess
 import sys
 import sysconfig
@@ -21,10 +21,14 @@ def test_the_built_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     from tests.test_models_vs_hf import make_hf_checkpoint
     from tests.test_quantize_cli import save_word_tokenizer
 
-    # built from a copy: an in-tree build/ folder left by an earlier build could otherwise slip stale files in
+    # built from a clone at this repository's HEAD, as `pip install "tokq @ git+<repo>@<commit>"` builds it (and
+    # no in-tree build/ folder of an earlier build can slip stale files in)
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the version comes from the commit")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info",
-                                                               "__pycache__", ".*_cache", "tokq_out", "results"))
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(source)], check=True)
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "--wheel-dir", str(wheels), str(source)], check=True, timeout=600)
@@ -61,6 +65,8 @@ def test_the_built_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     where = run("-c", "import tokq, tokq.kernels.cpu.native as n; print(tokq.__file__); print(n.unavailable())")
     assert where.splitlines()[0].startswith(str(site)), where  # the wheel's tokq, not the checkout's
     assert where.splitlines()[1] in ("None",) or "compiler" in where  # built from the installed .cpp files
-    assert run("-m", "tokq", "version").strip()
+    version = run("-m", "tokq", "version").strip()
+    assert re.fullmatch(r"0\.1\.\d+\.dev\d+\+g[0-9a-f]+", version) and f"+g{head[:7]}" in version, (version, head)
+    assert zipfile.ZipFile(wheel).namelist().count("tokq/_version.py") == 1  # the version travels in the wheel
     run("-m", "tokq", "quantize", "--model", str(base), "--method", "rtn", "--group-size", "32", "--out", "q")
     assert (elsewhere / "q" / "config.json").is_file()

@@ -17,7 +17,10 @@ Names are imported on first use, so `import tokq` (and the CLI's start) stays li
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+try:  # written by setuptools-scm when tokq is installed: 0.1.devN+g<commit>, from the commit it was built at
+    from tokq._version import __version__
+except ImportError:  # a source tree that was never installed
+    __version__ = "0.1.0+unknown"
 
 # public name -> module that defines it
 _API = {

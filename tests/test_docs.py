@@ -1,0 +1,110 @@
+"""What README.md and docs/ say is true: every number they quote from benchmarks/results/ equals the result file,
+every `tokq` command in their code blocks parses with the CLI's own parser, and the front page's commands run
+(on a tiny model standing in for the zoo's)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_models_vs_hf import make_hf_checkpoint
+from tests.test_quantize_cli import WORDS, save_word_tokenizer
+from tokq.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import render_numbers  # noqa: E402
+
+
+def code_block_commands(path: Path) -> list[list[str]]:
+    """Every `tokq ...` line of a shell code block (``` or ```sh/bash fences), as argv, comments dropped."""
+    text = path.read_text(encoding="utf-8")
+    commands = []
+    for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
+        if lang not in ("", "sh", "bash", "console"):
+            continue
+        for line in block.replace("\\\n", " ").splitlines():  # a command continued with \ is one line
+            line = line.strip().removeprefix("$ ").removeprefix(".venv/bin/")
+            if line.startswith("tokq "):
+                commands.append(shlex.split(line, comments=True))
+    return commands
+
+
+def parse_cli(argv: list[str]):
+    """`tokq ARGS` parsed and type-checked by the CLI's own parser, without running it."""
+    from typer.main import get_command
+
+    from tokq.cli import app
+
+    cmd, args, parent, name = get_command(app), argv, None, "tokq"
+    while True:
+        ctx = cmd.make_context(name, list(args), parent=parent)
+        if not hasattr(cmd, "resolve_command"):
+            return ctx
+        rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        name, cmd, args = cmd.resolve_command(ctx, rest)
+        parent = ctx
+
+
+def test_every_quoted_number_equals_its_result_file():
+    stale = []
+    for doc in render_numbers.documents():
+        stale += render_numbers.render(doc.read_text(encoding="utf-8"))[1]
+    assert not stale, "run `python scripts/render_numbers.py`:\n" + "\n".join(stale)
+    front = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(render_numbers.MARKER.findall(front)) >= 8  # the front page's speed numbers are rendered
+
+
+def test_a_number_that_drifts_from_its_result_is_caught(tmp_path, monkeypatch):
+    (tmp_path / "r.json").write_text(json.dumps({"ratios": {"a / b": {"median": 1.2468}}}))
+    monkeypatch.setattr(render_numbers, "RESULTS", tmp_path)
+    text = 'int4 is <!--r r.json ["ratios", "a / b", "median"] .2fx-->1.31×<!--/r--> faster'
+    rendered, changed = render_numbers.render(text)
+    assert changed == ['r.json ["ratios", "a / b", "median"]: the text says 1.31×, the result 1.25×']
+    assert rendered == 'int4 is <!--r r.json ["ratios", "a / b", "median"] .2fx-->1.25×<!--/r--> faster'
+    assert render_numbers.render(rendered)[1] == []
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))])
+def test_every_tokq_command_shown_parses(doc):
+    path = ROOT / doc if doc == "README.md" else ROOT / "docs" / doc
+    for argv in code_block_commands(path):
+        parse_cli(argv[1:])  # raises on an unknown command or option, or a value of the wrong type
+
+
+def test_the_front_page_commands_run(tmp_path, monkeypatch):
+    """README's quantize, compare, init and gate lines, as written, with a tiny model for smollm2-135m."""
+    monkeypatch.setenv("TOKQ_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TOKQ_COMPILE", "0")
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / "tiny"
+    make_hf_checkpoint("llama", base, seed=0)
+    save_word_tokenizer(base)
+    (tmp_path / "mydocs").mkdir()
+    rng = random.Random(0)
+    for i, n in enumerate((400, 300, 250)):
+        (tmp_path / "mydocs" / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n)) + "\n")
+    commands = code_block_commands(ROOT / "README.md")
+    names = [argv[1] for argv in commands]
+    assert {"quantize", "compare", "init", "gate"} <= set(names), names
+    small = {"quantize": ["--num-samples", "4", "--seq-len", "64"], "compare": ["--window", "128"]}
+    for argv in commands:
+        argv = [str(base) if a == "smollm2-135m" else a for a in argv[1:]]
+        argv = [("32" if a == "64" and argv[i - 1] == "--group-size" else a) for i, a in enumerate(argv)]  # K = 96
+        if argv[0] == "gate":  # the starter's base and data set, made tiny
+            toml = tmp_path / "tokq.toml"
+            text = toml.read_text().replace('model = "smollm2-135m"', f'model = "{base}"')
+            text = text.replace('builtin = "default"', 'path = "mydocs"').replace("window = 2048", "window = 128")
+            text = re.sub(r"\[gate.speed\].*", "", text, flags=re.S)
+            text = text.replace("group_size = 64 }", 'group_size = 32, calib = "mydocs", num_samples = 4, seq_len = 64 }')
+            toml.write_text(text.replace("sample_windows = 16", "sample_windows = 3")
+                            .replace("probe_repeats = 2", "probe_repeats = 4"))
+            argv = [*argv, "--no-speed"]
+        code = main([*argv, *small.get(argv[0], [])])
+        assert code in (0, 1, 3), (argv, code)  # ran to a verdict (a tiny random model may well fail a rule)
