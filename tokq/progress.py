@@ -115,8 +115,13 @@ class PlainProgress:
         task.printed = now
         elapsed = now - task.started
         what = self.label or task.description
-        count = f"{task.completed:g}" if task.total is None else f"{task.completed:g}/{task.total:g}"
-        parts = [f"{what}: {count}{' ' + self.unit if self.unit else ''}", f"{_clock(elapsed)} elapsed"]
+        if task.total is not None:
+            head = f"{what}: {task.completed:g}/{task.total:g}{' ' + self.unit if self.unit else ''}"
+        elif task.completed:
+            head = f"{what}: {task.completed:g}{' ' + self.unit if self.unit else ''}"
+        else:  # no count to show (a task described by its text alone, e.g. the paired bench's pass)
+            head = what
+        parts = [head, f"{_clock(elapsed)} elapsed"]
         if task.total is not None and task.completed >= task.total:
             task.done_printed = True
             parts.append("done")
