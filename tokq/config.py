@@ -1,5 +1,8 @@
 """tokq.toml, read whole and checked: base model, variants, data sets, the bench workload, gate rules.
 
+Over 400 lines: every table's checks live here, beside the dataclasses they fill, so that one file says what
+tokq.toml may hold and what each refusal names.
+
     [base]
     model = "smollm2-135m"          # zoo name, or checkpoint directory (relative to this file)
     dtype = "auto"

@@ -129,6 +129,22 @@ def resolve_data(data: str | Path | None) -> tuple[Path | None, dict]:
     return folder, {}  # neither a set name nor a built-in set: the folder check names it
 
 
+def given_data_set(data: str | Path):
+    """A `--data` that names no [data.NAME] table, as a data set: a folder (with the set defaults), or a tokq
+    built-in set by name (built here at its first use on this machine); None when it is neither."""
+    from tokq.config import DataSet
+    from tokq.longctx.builtin_sets import builtin_problem, builtin_set_path
+
+    folder = Path(data).expanduser()
+    if folder.is_dir():
+        return DataSet(name=folder.name, path=folder.resolve())
+    if builtin_problem(str(data)) is not None:
+        return None
+    chosen = DataSet(name=str(data), path=builtin_set_path(str(data)), builtin=str(data))
+    data_set_settings(chosen)
+    return chosen
+
+
 def data_set_settings(data_set) -> tuple[Path, dict]:
     """A [data.NAME] table as (folder, CompareSettings keys): its keys are CompareSettings field names. A built-in
     set is built here the first time a machine uses it."""

@@ -137,30 +137,21 @@ def gate(config: str | Path | None = None, *, variants: list[str] | None = None,
 
 def _data_set(project, path: Path, data: str | Path | None):
     """The [data.NAME] set to gate on: named, a folder given directly (the set's defaults), or the first."""
-    from tokq.config import DataSet
+    from tokq.api.compare import data_set_settings, given_data_set
+    from tokq.longctx.builtin_sets import BUILTIN_SETS
 
     if data is not None and str(data) not in project.data:
-        from tokq.longctx.builtin_sets import BUILTIN_SETS, builtin_problem, builtin_set_path
-
-        folder = Path(data).expanduser()
-        if not folder.is_dir() and builtin_problem(str(data)) is None:
-            from tokq.api.compare import data_set_settings
-
-            chosen = DataSet(name=str(data), path=builtin_set_path(str(data)), builtin=str(data))
-            data_set_settings(chosen)  # built now if this is the machine's first use
-            return chosen
-        if not folder.is_dir():
+        given = given_data_set(data)
+        if given is None:
             raise ConfigError(f"{path}: --data {data} is neither a [data.NAME] table (known: "
                               f"{', '.join(project.data) or 'none'}), a built-in set ({', '.join(BUILTIN_SETS)}) "
                               "nor a folder")
-        return DataSet(name=folder.name, path=folder.resolve())
+        return given
     if not project.data:
         raise ConfigError(f"{path}: add a [data.NAME] table with path = \"<your documents>\"")
     chosen = project.data[str(data)] if data is not None else next(iter(project.data.values()))
-    if chosen.builtin is not None:  # this machine's copy, built now if this is its first use
-        from tokq.api.compare import data_set_settings
-
-        data_set_settings(chosen)
+    if chosen.builtin is not None:
+        data_set_settings(chosen)  # this machine's copy, built now if this is its first use
     if not chosen.path.is_dir():
         raise project.error(f"data.{chosen.name}", "path", f"= {chosen.path} is not a folder: point it at your "
                                                            "documents")

@@ -22,9 +22,9 @@ def junit_xml(suite: str, rules: list[dict]) -> str:
         case = ET.SubElement(node, "testcase", classname=suite,
                              name=f"{r['name']} {r['threshold']} ({r.get('bucket') or 'overall'})")
         if result(r) == "fail":
-            ET.SubElement(case, "failure", type="fail", message=r["rule"]).text = r["rule"]
+            ET.SubElement(case, "failure", message=r["rule"], type="fail").text = r["rule"]
         elif result(r) == "inconclusive":
-            ET.SubElement(case, "error", type="inconclusive", message=r["rule"]).text = r["rule"]
+            ET.SubElement(case, "error", message=r["rule"], type="inconclusive").text = r["rule"]
         else:
             ET.SubElement(case, "system-out").text = r["rule"]
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

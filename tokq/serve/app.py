@@ -26,13 +26,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokq.serve import openai_format as fmt
 from tokq.serve.chat import render_chat
 from tokq.serve.engine_loop import Accepted, EngineLoop, Failed, Group, Output, QueueFull
+from tokq.serve.errors import add_error_handlers
 from tokq.serve.guards import DEFAULT_MAX_BODY_BYTES, BearerAuth, BodyLimit
 from tokq.serve.jobs import Job, Limits, chat_job, completion_jobs
 from tokq.serve.metrics import ServerMetrics
@@ -356,30 +355,13 @@ def build_app(engine, tokenizer, served_name: str, *, max_logprobs: int = 20, ma
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)  # added last: runs first, before the body is read
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # an unknown route or method: OpenAI's error JSON, as every other refusal, not the framework's {"detail"}
-        message = (f"{request.method} {request.url.path}: no such route (this server answers /v1/completions, "
-                   "/v1/chat/completions, /v1/models, /version, /health and /metrics)") if exc.status_code in (
-                       404, 405) else str(exc.detail)
-        return JSONResponse({"error": {"message": message, "type": "NotFoundError" if exc.status_code == 404
-                                       else "BadRequestError", "param": None, "code": exc.status_code}},
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    add_error_handlers(app)
 
     @app.get("/version")
     async def version() -> dict:
         from tokq import __version__
 
         return {"version": __version__}
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        return JSONResponse(APIError(400, problems).body(), status_code=400)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:

@@ -25,7 +25,7 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+        return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
                 413: "PayloadTooLargeError", 503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
 
     def body(self) -> dict:
@@ -34,6 +34,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /version, /health and /metrics"
+
+
+def route_error(method: str, path: str, status: int, detail: object) -> APIError:
+    """The framework's own refusal (an unknown route or method) as OpenAI's error JSON, not its {"detail": ...}."""
+    if status in (404, 405):
+        return APIError(status, f"{method} {path}: no such route (this server answers {ROUTES})")
+    return APIError(status, str(detail))
 
 
 class StreamOptions(BaseModel):
