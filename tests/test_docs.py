@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_parse import parse_cli
 from tests.test_models_vs_hf import make_hf_checkpoint
 from tests.test_quantize_cli import WORDS, save_word_tokenizer
 from tokq.cli import main
@@ -34,22 +35,6 @@ def code_block_commands(path: Path) -> list[list[str]]:
             if line.startswith("tokq "):
                 commands.append(shlex.split(line, comments=True))
     return commands
-
-
-def parse_cli(argv: list[str]):
-    """`tokq ARGS` parsed and type-checked by the CLI's own parser, without running it."""
-    from typer.main import get_command
-
-    from tokq.cli import app
-
-    cmd, args, parent, name = get_command(app), argv, None, "tokq"
-    while True:
-        ctx = cmd.make_context(name, list(args), parent=parent)
-        if not hasattr(cmd, "resolve_command"):
-            return ctx
-        rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
-        name, cmd, args = cmd.resolve_command(ctx, rest)
-        parent = ctx
 
 
 def test_every_quoted_number_equals_its_result_file():

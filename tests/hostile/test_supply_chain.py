@@ -14,6 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.cli_parse import parse_cli
 from tokq import zoo
 from tokq.errors import ZooError
 
@@ -300,22 +301,6 @@ def _doc_ci_commands() -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in lines]
 
 
-def _parse_cli(argv: list[str]):
-    """Parse `tokq ARGS` with the CLI's own parser (commands, options and their types), without running it."""
-    from typer.main import get_command
-
-    from tokq.cli import app
-
-    cmd, args, parent, name = get_command(app), argv, None, "tokq"
-    while True:
-        ctx = cmd.make_context(name, list(args), parent=parent)
-        if not hasattr(cmd, "resolve_command"):  # a leaf command: parsed and type-checked
-            return ctx
-        rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
-        name, cmd, args = cmd.resolve_command(ctx, rest)
-        parent = ctx
-
-
 @pytest.mark.parametrize("path", [ACTION, GITLAB], ids=["github-action", "gitlab"])
 def test_ci_installs_tokq_from_its_own_source_with_the_constraints(path):
     """tokq is not on the package index: `pip install tokq` would fail (or install someone else's tokq)."""
@@ -378,13 +363,13 @@ def test_ci_commands_are_real_and_documented(path):
     # The parser check itself notices a renamed option, a renamed command, a value of the wrong type.
     for wrong in (["gate", "--output", "x"], ["gates"], ["gate", "--threads", "many"]):
         with pytest.raises(Exception, match=r"No such|valid integer"):
-            _parse_cli(wrong)
+            parse_cli(wrong)
     documented = _doc_ci_commands()
     tokq_commands = _commands(path, ("tokq",))
     assert tokq_commands, "runs no tokq command"
     for argv in tokq_commands:
         env_free = [a for a in argv if not a.startswith("$")]
-        _parse_cli(argv[1:] if env_free == argv else ["gate", "--config", "tokq.toml", "--report-dir", "x"])
+        parse_cli(argv[1:] if env_free == argv else ["gate", "--config", "tokq.toml", "--report-dir", "x"])
     for argv in _commands(path):
         shown = [a.replace("$TOKQ_CONFIG_FILE", "tokq.toml").replace("$TOKQ_REPORT_DIR", "tokq_gate") for a in argv]
         shown = ["./.tokq-src" if a == ".tokq-src" else a for a in shown]
