@@ -46,6 +46,27 @@ def test_every_quoted_number_equals_its_result_file():
     assert len(render_numbers.MARKER.findall(front)) >= 8  # the front page's speed numbers are rendered
 
 
+# A measured-looking number: a decimal with 2+ places, or a number with a speed or ratio unit.
+MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:×|x\b|tok/s|GB/s|ms\b|µs|min \d+ s)|(?<![\w.\-/])\d+\.\d{2,}(?![\w.%])")
+# What the docs may write by hand: versions, targets, limits, shapes and arithmetic, not measurements.
+NOT_MEASURED = {"3.10", "1.7x", "4096 ×", "2 ×", "0.52", "4x", "0.25", "4 x"}
+
+
+def unrendered_numbers(text: str) -> list[str]:
+    """Measured-looking numbers outside rendered markers, code blocks and inline code."""
+    text = render_numbers.MARKER.sub("", text)
+    text = re.sub(r"```.*?```|`[^`\n]*`", "", text, flags=re.S)
+    return [n for n in MEASURED.findall(text) if n not in NOT_MEASURED]
+
+
+def test_no_measured_number_is_written_by_hand():
+    """gate-report.md is the gate's own Markdown report of the recorded run (written by tokq, not by hand)."""
+    found = {doc.name: unrendered_numbers(doc.read_text(encoding="utf-8"))
+             for doc in render_numbers.documents() if doc.name != "gate-report.md"}
+    assert not {k: v for k, v in found.items() if v}, "quote these through <!--r FILE [path] fmt--> markers"
+    assert unrendered_numbers("int4 is 1.31× faster, `1.2x` in code, <!--r f [0] .2f-->0.38<!--/r-->") == ["1.31×"]
+
+
 def test_a_number_that_drifts_from_its_result_is_caught(tmp_path, monkeypatch):
     (tmp_path / "r.json").write_text(json.dumps({"ratios": {"a / b": {"median": 1.2468}}}))
     monkeypatch.setattr(render_numbers, "RESULTS", tmp_path)

@@ -245,6 +245,28 @@ def test_awq_scale_and_clip_searches_each_help(outlier_models, w4_kl, monkeypatc
     assert w4_kl["awq"] <= 0.85 * no_scale
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_awq_coarse_to_fine_grid_finds_a_single_valley_in_fewer_evaluations(seed):
+    """On a curve with one valley the coarse-to-fine walk picks the exhaustive grid's point; stride 1 is the
+    exhaustive grid itself, ties go to the smaller index and NaN never wins."""
+    gen = torch.Generator().manual_seed(seed)
+    grid = 20
+    centre = float(torch.rand(1, generator=gen)) * (grid - 1)
+    curve = [(i - centre) ** 2 + 0.1 * float(torch.rand(1, generator=gen)) for i in range(grid)]
+    evaluated = []
+
+    def loss_at(i):
+        evaluated.append(i)
+        return curve[i]
+
+    best, losses = awq.grid_points(grid, 4, loss_at)
+    assert best == min(range(grid), key=curve.__getitem__)
+    assert len(evaluated) == len(set(evaluated)) == len(losses) <= 11
+    assert awq.grid_points(grid, 1, curve.__getitem__) == (best, dict(enumerate(curve)))
+    assert awq.grid_points(4, 1, [1.0, 0.5, 0.5, float("nan")].__getitem__)[0] == 1
+    assert awq.grid_points(4, 2, ([float("nan")] * 4).__getitem__)[0] == -1
+
+
 def test_comparison_rejects_a_method_that_is_rtn(outlier_models, w4_kl, monkeypatch):
     """If "awq" quietly ran RTN, the comparison above would fail: it is not vacuous."""
     base = outlier_models(10.0)

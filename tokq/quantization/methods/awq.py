@@ -45,10 +45,34 @@ def _weight_magnitude(w: torch.Tensor, args: WeightArgs) -> torch.Tensor:
     return g.view(n, k).mean(0)
 
 
+def grid_points(grid: int, stride: int, loss_at) -> tuple[int, dict[int, float]]:
+    """The grid index in [0, grid) with the least loss_at(i), and every loss evaluated (index -> loss).
+
+    stride 1 is the paper's exhaustive grid. stride s > 1 searches coarse-to-fine: every s-th point, then the
+    points within s of the best of those, so 20 points cost 11 evaluations at s = 4. It finds the exhaustive
+    grid's point whenever the loss has one valley at the coarse spacing (benchmarks/awq_search.py measures how
+    often that holds on a real model). Ties go to the smaller index, as in the exhaustive order; NaN never wins.
+    """
+    losses: dict[int, float] = {}
+
+    def best() -> int:
+        finite = {i: v for i, v in losses.items() if v == v}
+        return min(finite, key=lambda i: (finite[i], i)) if finite else -1
+
+    for i in range(0, grid, max(1, stride)):
+        losses[i] = loss_at(i)
+    if stride > 1 and best() >= 0:
+        centre = best()
+        for i in range(max(0, centre - stride + 1), min(grid, centre + stride)):
+            if i not in losses:
+                losses[i] = loss_at(i)
+    return best(), losses
+
+
 @torch.no_grad()
 def search_scales(
     ctx: BlockContext, linear: Linear, x: torch.Tensor, inspect: torch.nn.Module, needs_rope: bool,
-    args: WeightArgs, grid: int,
+    args: WeightArgs, grid: int, stride: int = 1,
 ) -> tuple[torch.Tensor, dict]:
     """Best per-input-channel scale for `linear` given its inputs x [S, T, K] (see module docstring)."""
     original = linear.weight.data.clone()
@@ -56,24 +80,25 @@ def search_scales(
     reference = ctx.run_sub(inspect, x, needs_rope).float()
     x_mean = x.abs().reshape(-1, x.shape[-1]).mean(0)
     w_mean = _weight_magnitude(w, args)
-    best = (float("inf"), None, None)
-    losses = []
+
+    def scales(i: int) -> torch.Tensor:
+        ratio = i / grid
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp_min(1e-4)
+        return s / (s.max() * s.min()).sqrt()
+
+    def loss_at(i: int) -> float:
+        s = scales(i)
+        linear.weight.copy_((fake_quantize(w * s, args) / s).to(original.dtype))
+        return (ctx.run_sub(inspect, x, needs_rope).float() - reference).pow(2).mean().item()
+
     try:
-        for i in range(grid):
-            ratio = i / grid
-            s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp_min(1e-4)
-            s = s / (s.max() * s.min()).sqrt()
-            linear.weight.copy_((fake_quantize(w * s, args) / s).to(original.dtype))
-            out = ctx.run_sub(inspect, x, needs_rope).float()
-            loss = (out - reference).pow(2).mean().item()
-            losses.append(loss)
-            if loss < best[0]:
-                best = (loss, ratio, s.clone())
+        best, losses = grid_points(grid, stride, loss_at)
     finally:
         linear.weight.copy_(original)
-    if best[2] is None:  # every grid point gave NaN: leave the channel scales alone
+    if best < 0:  # every grid point gave NaN: leave the channel scales alone
         return torch.ones_like(x_mean), {"ratio": None, "loss": None}
-    return best[2], {"ratio": best[1], "loss": best[0], "loss_unscaled": losses[0]}
+    return scales(best), {"ratio": best / grid, "loss": losses[best], "loss_unscaled": losses[0],
+                          "losses": [losses.get(i) for i in range(grid)]}  # None: not evaluated
 
 
 @torch.no_grad()
@@ -117,7 +142,7 @@ def quantize_block(ctx: BlockContext, scheme: QuantScheme | LayerSchemes, option
         linear = linears[mapping.linear]
         inspect = ctx.block.get_submodule(mapping.inspect) if mapping.inspect else linear
         scales, info = search_scales(ctx, linear, inputs[mapping.linear], inspect, mapping.inspect == "self_attn",
-                                     weight_args[mapping.linear], options.awq_grid)
+                                     weight_args[mapping.linear], options.awq_grid, options.awq_grid_stride)
         fold_scales_(ctx.block, mapping, scales)
         stats[mapping.name] = info
     # Inputs after folding (X / s): what the clipping search must see.

@@ -1,0 +1,138 @@
+"""What AWQ's coarse-to-fine scale search and a smaller search sample cost in quality, and what they save in time.
+
+    python benchmarks/awq_search.py [--model smollm2-135m] [--threads 2] [--builds full,coarse,coarse-8]
+
+Builds, all from the same calibration token ids (32 x 512 tokens of the default long-document set, seed 0) at the
+model's int4 setting (quant_protocol.MODELS):
+- `full`: the paper's exhaustive grid of 20 scale exponents (awq_grid_stride 1), 16 search sequences;
+- `coarse`: tokq's default, coarse-to-fine (every 4th point, then the neighbours of the best: 11 evaluations);
+- `coarse-8`: coarse-to-fine on 8 search sequences (half the tokens).
+
+Two measurements:
+1. Same inputs, counterfactual: `full` records every grid point's loss for each (block, mapping); what the
+   coarse-to-fine walk (awq.grid_points) would pick from those very losses is compared with the exhaustive pick:
+   how often it is the same point, and the excess loss when it is not.
+2. End to end: each build's KL(base || build) on held-out windows (`--eval-windows` x `--eval-window` tokens
+   of the default set, documents as the resampling unit: 95% bootstrap intervals) and each coarse build's KL
+   ratio against `full` on the same tokens (paired bootstrap), beside each build's quantization seconds.
+
+Writes benchmarks/results/awq-search-<model>-<cpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from calibration_shift import doc_sums, kl_estimate, ratio_estimate  # noqa: E402
+from quant_protocol import MODELS, RESULTS, base_checkpoint  # noqa: E402
+from vs_llamacpp import cpu_facts, cpu_tag  # noqa: E402 (the same CPU naming as the other results)
+
+from tokq import __version__  # noqa: E402
+from tokq.engine.checkpoint import load_model  # noqa: E402
+from tokq.engine.tokenizer import load_tokenizer, model_adds_bos  # noqa: E402
+from tokq.evalsuite.divergence import divergence, final_hidden  # noqa: E402
+from tokq.longctx.documents import load_documents  # noqa: E402
+from tokq.longctx.text_encoding import as_text_encoder  # noqa: E402
+from tokq.longctx.windows import build_windows  # noqa: E402
+from tokq.paths import data_dir  # noqa: E402
+from tokq.quantization.calibration import calibration_samples  # noqa: E402
+from tokq.quantization.methods.awq import grid_points  # noqa: E402
+from tokq.quantization.methods.options import MethodOptions  # noqa: E402
+from tokq.quantization.pipeline import quantize_model, resolve_scheme  # noqa: E402
+from tokq.reports.json_io import write_json  # noqa: E402
+
+BUILDS = {
+    "full": {"awq_grid_stride": 1},
+    "coarse": {"awq_grid_stride": 4},
+    "coarse-8": {"awq_grid_stride": 4, "awq_search_samples": 8},
+}
+
+
+def counterfactual(stats: list[dict], grid: int, stride: int) -> dict:
+    """From the exhaustive run's per-mapping loss curves: how often the coarse-to-fine walk picks the same point."""
+    same, excess, walks = 0, [], 0
+    for block in stats:
+        for info in block.values():
+            if not isinstance(info, dict) or not info.get("losses"):
+                continue
+            curve = info["losses"]
+            pick, seen = grid_points(grid, stride, lambda i, curve=curve: curve[i])
+            walks += 1
+            full_pick = min(range(grid), key=lambda i: (curve[i] if curve[i] == curve[i] else float("inf"), i))
+            same += pick == full_pick
+            excess.append(curve[pick] / curve[full_pick] - 1 if curve[full_pick] > 0 else 0.0)
+            info_evals = len(seen)
+    return {"mappings": walks, "same_point": same, "same_fraction": same / max(1, walks),
+            "max_relative_loss_excess": max(excess, default=0.0),
+            "mean_relative_loss_excess": sum(excess) / max(1, len(excess)), "evaluations_per_mapping": info_evals,
+            "stride": stride, "grid": grid}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
+    ap.add_argument("--builds", default=",".join(BUILDS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--eval-window", type=int, default=1024)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    builds = [b for b in args.builds.split(",") if b]
+    if "full" not in builds or any(b not in BUILDS for b in builds):
+        ap.error(f"--builds takes full and any of {', '.join(BUILDS)}")
+    torch.set_num_threads(args.threads)
+    out = args.out or RESULTS / f"awq-search-{args.model}-{cpu_tag(cpu_facts())}.json"
+    checkpoint = base_checkpoint(args.model)
+    tokenizer = load_tokenizer(checkpoint)
+    add_bos = model_adds_bos(tokenizer)
+    docs = load_documents(data_dir() / "default")
+    calib = calibration_samples(data_dir() / "default", tokenizer, add_bos, 32, 512, 0, documents=docs)
+    # Held out from calibration as far as windows go: evaluation windows spread over every document.
+    windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), args.eval_window,
+                            add_bos=add_bos).sample(args.eval_windows)
+    base = load_model(checkpoint, dtype="fp32")
+    hiddens = [final_hidden(base, torch.tensor(w.tokens)) for w in windows.windows]
+    setting = MODELS[args.model]
+    record: dict = {"benchmark": "awq_search", "tokq_version": __version__, "model": args.model,
+                    "setting": {"scheme": setting.scheme, "group_size": setting.group_size},
+                    "calibration": {"num_samples": 32, "seq_len": 512, "seed": 0, "data_hash": docs.content_hash()},
+                    "eval": {"windows": len(windows.windows), "window": args.eval_window, "tokens": windows.n_tokens,
+                             "documents": windows.n_documents},
+                    "hardware": {"cpu": cpu_tag(cpu_facts()), "processor": platform.processor(), "cpus": os.cpu_count(),
+                                 "torch_threads": torch.get_num_threads(), "load_average_start": os.getloadavg()},
+                    "builds": {}}
+    cells = {}
+    for build in builds:
+        options = MethodOptions(**BUILDS[build])
+        quant = load_model(checkpoint, dtype="fp32")
+        scheme, _ = resolve_scheme("awq", quant.config, setting.scheme, group_size=setting.group_size, symmetric=True)
+        started = time.perf_counter()
+        result = quantize_model(quant, "awq", scheme, calib, options)
+        seconds = time.perf_counter() - started
+        d = divergence(base, quant, windows.windows, base_hidden=hiddens)
+        names, sums, counts = doc_sums(d.kl, windows)
+        cells[build] = {"docs": names, "doc_kl_sums": sums, "doc_tokens": counts}
+        entry = {"options": BUILDS[build], "seconds": round(seconds, 1), "kl": kl_estimate(cells[build]),
+                 "top1_agreement": d.summary()["top1_agreement"]}
+        if build == "full":
+            record["counterfactual_coarse"] = counterfactual(result.blocks, options.awq_grid, 4)
+        else:
+            entry["kl_ratio_to_full"] = ratio_estimate(cells[build], cells["full"])
+            entry["speedup_vs_full"] = round(record["builds"]["full"]["seconds"] / seconds, 2)
+        record["builds"][build] = entry
+        print(build, entry, flush=True)
+        record["hardware"]["load_average_end"] = os.getloadavg()
+        write_json(out, record)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
