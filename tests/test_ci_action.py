@@ -89,7 +89,8 @@ def project_repo(tmp_path: Path) -> Path:
     return repo
 
 
-def run_steps(workspace: Path, env: dict[str, str], inputs: dict[str, str]) -> tuple[dict[str, str], str, float]:
+def run_steps(workspace: Path, env: dict[str, str], inputs: dict[str, str],
+              timeout: float = 900) -> tuple[dict[str, str], str, float]:
     """Every `run:` step of action.yml in order, as the runner does (bash -eo pipefail, the step's env, outputs
     through $GITHUB_OUTPUT); stops at the first failing step as CI does. (outputs by step id, the log, seconds)."""
     outputs: dict[str, str] = {}
@@ -104,7 +105,7 @@ def run_steps(workspace: Path, env: dict[str, str], inputs: dict[str, str]) -> t
         step_env = {**env, **{k: evaluate(str(v), inputs) for k, v in step.get("env", {}).items()},
                     "GITHUB_OUTPUT": str(out_file)}
         proc = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
-                              cwd=workspace, env=step_env, capture_output=True, text=True, timeout=900)
+                              cwd=workspace, env=step_env, capture_output=True, text=True, timeout=timeout)
         log.append(f"== {step.get('id')} (exit {proc.returncode})\n{proc.stdout}{proc.stderr}")
         for line in out_file.read_text().splitlines():
             key, _, value = line.partition("=")

@@ -248,8 +248,8 @@ async def _arrivals(requests: list[SampleRequest], rate: float, burstiness: floa
 async def run_requests(client: EndpointClient, s: ServeBenchSettings, model: str,
                        requests: list[SampleRequest],
                        on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
-    """Send every request (Poisson arrivals, at most max_concurrency in flight); (outputs, duration in s).
-    `on_done` is called as each request ends (progress)."""
+    """Send every request (at request_rate per second, gamma gaps of shape burstiness: 1 is Poisson; at most
+    max_concurrency in flight); (outputs, duration in s). `on_done` is called as each request ends (progress)."""
     limit = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None
 
     async def one(req: SampleRequest) -> RequestOutput:

@@ -49,9 +49,9 @@ def grid_points(grid: int, stride: int, loss_at) -> tuple[int, dict[int, float]]
     """The grid index in [0, grid) with the least loss_at(i), and every loss evaluated (index -> loss).
 
     stride 1 is the paper's exhaustive grid. stride s > 1 searches coarse-to-fine: every s-th point, then the
-    points within s of the best of those, so 20 points cost 11 evaluations at s = 4. It finds the exhaustive
-    grid's point whenever the loss has one valley at the coarse spacing (benchmarks/awq_search.py measures how
-    often that holds on a real model). Ties go to the smaller index, as in the exhaustive order; NaN never wins.
+    points within s of the best of those, so 20 points cost 12 evaluations at s = 2 (11 at s = 4). It finds the
+    exhaustive grid's point whenever the loss has one valley at the coarse spacing (benchmarks/awq_search.py
+    measures how often that holds on a real model). Ties go to the smaller index, as in the exhaustive order; NaN never wins.
     """
     losses: dict[int, float] = {}
 

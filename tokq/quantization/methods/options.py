@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 class MethodOptions:
     # AWQ
     awq_grid: int = 20  # scale exponents tried in [0, 1)
-    # 1: every grid point (the paper); 4: coarse-to-fine, 11 of the 20 points (awq.grid_points), the same
-    # choice in measured practice (benchmarks/results/awq-search-*.json) at about half the search time
-    awq_grid_stride: int = 4
+    # 1: every grid point (the paper); 2: coarse-to-fine, 12 of the 20 points (awq.grid_points), measured
+    # against the exhaustive grid by benchmarks/awq_search.py (results/awq-search-*.json)
+    awq_grid_stride: int = 1
     awq_clip_grid: int = 20  # clip ratios tried in (0.5, 1]
     awq_search_samples: int = 16  # calibration sequences used by the searches (of all captured)
     awq_clip_tokens: int = 4096  # tokens used by the clipping search (its cost is one Gram matrix)
