@@ -8,7 +8,8 @@ of keys) and its format:
 
 `python scripts/render_numbers.py` rewrites every such number from its file; `--check` only reports the ones that
 differ (exit 1), which tests/test_docs.py runs, so text and results cannot drift apart. A format is Python's
-(`.2f`, `.0%`, `,d`); `x` after it appends a multiplication sign (`.2fx` -> 1.25×).
+(`.2f`, `.0%`, `,d`); `x` after it appends a multiplication sign (`.2fx` -> 1.25×); `|text` after it is shown
+where the result holds null (`s|overall`), else a dash.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def value_of(file: str, path: list, fmt: str) -> str:
     data = json.loads((RESULTS / file).read_text(encoding="utf-8"))
     for key in path:
         data = data[key]
+    fmt, _, missing = fmt.partition("|")
+    if data is None:  # a value the result does not have (a deterministic ratio's interval): `fmt|text` or a dash
+        return missing or "–"
     times = fmt.endswith("x")
     text = format(data, fmt[:-1] if times else fmt)
     return text + ("×" if times else "")

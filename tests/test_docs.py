@@ -71,6 +71,9 @@ def test_a_number_that_drifts_from_its_result_is_caught(tmp_path, monkeypatch):
     assert changed == ['r.json ["ratios", "a / b", "median"]: the text says 1.31×, the result 1.25×']
     assert rendered == 'int4 is <!--r r.json ["ratios", "a / b", "median"] .2fx-->1.25×<!--/r--> faster'
     assert render_numbers.render(rendered)[1] == []
+    (tmp_path / "n.json").write_text(json.dumps({"bucket": None, "low": None}))
+    nulls = '<!--r n.json ["bucket"] s|overall-->?<!--/r--> <!--r n.json ["low"] .2f-->?<!--/r-->'
+    assert re.sub(r"<!--.*?-->", "", render_numbers.render(nulls)[0]) == "overall –"
 
 
 @pytest.mark.parametrize("doc", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))])
