@@ -33,14 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from calibration_shift import doc_sums, kl_estimate, ratio_estimate  # noqa: E402
-from quant_protocol import MODELS, RESULTS, base_checkpoint  # noqa: E402
+from quant_protocol import MODELS, RESULTS, base_and_default_set, base_hiddens  # noqa: E402
 from vs_llamacpp import cpu_facts, cpu_tag  # noqa: E402 (the same CPU naming as the other results)
 
 from tokq import __version__  # noqa: E402
 from tokq.engine.checkpoint import load_model  # noqa: E402
-from tokq.engine.tokenizer import load_tokenizer, model_adds_bos  # noqa: E402
-from tokq.evalsuite.divergence import divergence, final_hidden  # noqa: E402
-from tokq.longctx.documents import load_documents  # noqa: E402
+from tokq.evalsuite.divergence import divergence  # noqa: E402
 from tokq.longctx.text_encoding import as_text_encoder  # noqa: E402
 from tokq.longctx.windows import build_windows  # noqa: E402
 from tokq.paths import data_dir  # noqa: E402
@@ -93,16 +91,13 @@ def main() -> None:
         ap.error(f"--builds takes full and any of {', '.join(BUILDS)}")
     torch.set_num_threads(args.threads)
     out = args.out or RESULTS / f"awq-search-{args.model}-{cpu_tag(cpu_facts())}.json"
-    checkpoint = base_checkpoint(args.model)
-    tokenizer = load_tokenizer(checkpoint)
-    add_bos = model_adds_bos(tokenizer)
-    docs = load_documents(data_dir() / "default")
+    checkpoint, tokenizer, add_bos, docs = base_and_default_set(args.model)
     calib = calibration_samples(data_dir() / "default", tokenizer, add_bos, 32, 512, args.seed, documents=docs)
     # Held out from calibration as far as windows go: evaluation windows spread over every document.
     windows = build_windows(docs.documents, as_text_encoder(tokenizer, add_bos), args.eval_window,
                             add_bos=add_bos).sample(args.eval_windows)
     base = load_model(checkpoint, dtype="fp32")
-    hiddens = [final_hidden(base, torch.tensor(w.tokens)) for w in windows.windows]
+    hiddens = base_hiddens(base, windows)
     setting = MODELS[args.model]
     record: dict = {"benchmark": "awq_search", "tokq_version": __version__, "model": args.model,
                     "setting": {"scheme": setting.scheme, "group_size": setting.group_size},

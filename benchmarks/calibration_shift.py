@@ -57,12 +57,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_quant import run_peer  # noqa: E402
-from quant_protocol import MODELS, RESULTS, base_checkpoint  # noqa: E402
+from quant_protocol import MODELS, RESULTS, base_and_default_set  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from tokq import __version__  # noqa: E402
 from tokq.engine.checkpoint import load_model  # noqa: E402
-from tokq.engine.tokenizer import load_tokenizer, model_adds_bos  # noqa: E402
 from tokq.evalsuite.calibration_distance import token_distance, token_histogram  # noqa: E402
 from tokq.evalsuite.divergence import divergence, final_hidden  # noqa: E402
 from tokq.evalsuite.stats.bootstrap import mean_interval  # noqa: E402
@@ -277,10 +276,7 @@ def main() -> None:
         sys.exit(f"peer python {args.peer_python} not found: bash benchmarks/peer_venv.sh, or drop the peer-* builds")
     torch.set_num_threads(args.threads)
     out_json = args.out or RESULTS / f"calibration-shift-{args.model}.json"
-    checkpoint = base_checkpoint(args.model)
-    tokenizer = load_tokenizer(checkpoint)
-    add_bos = model_adds_bos(tokenizer)
-    root_docs = load_documents(data_dir() / "default")
+    checkpoint, tokenizer, add_bos, root_docs = base_and_default_set(args.model)
     sets = eval_sets(root_docs, args.eval, tokenizer, add_bos, args.eval_windows, args.eval_window)
     settings = {"num_samples": args.num_samples, "seq_len": args.seq_len, "seed": args.seed,
                 "eval_windows": args.eval_windows, "eval_window": args.eval_window, "calib": calibs,

@@ -88,6 +88,13 @@ def base_checkpoint(model: str) -> Path:
     return resolve_model(model)
 
 
+def base_and_default_set(model: str):
+    """(checkpoint, tokenizer, add_bos, the default long-document set) of a benchmark on `model`."""
+    checkpoint = base_checkpoint(model)
+    tokenizer = load_tokenizer(checkpoint)
+    return checkpoint, tokenizer, model_adds_bos(tokenizer), load_documents(data_dir() / "default")
+
+
 def load_base(model: str) -> CausalLM:
     return load_model(base_checkpoint(model), dtype="fp32")
 
