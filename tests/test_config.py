@@ -20,7 +20,7 @@ def test_init_writes_a_starter_that_parses(tmp_path, capsys):
     assert project.base == "smollm2-135m" and set(project.variants) == {"int4"}
     assert project.variants["int4"].recipe["method"] == "awq"
     assert project.variants["int4"].path == tmp_path / "tokq_out/smollm2-awq-int4"
-    assert project.data["default"].window == 2048 and project.bench.concurrency == 16
+    assert project.data["default"].window == 2048 and project.bench.concurrency == 4  # sized for 2 cores
     assert project.data["default"].path == data_dir() / "default"  # $TOKQ_HOME's default set
     assert {r.name for r in project.quality} == {"max_kl", "min_top1", "max_ppl_ratio", "max_flip_rate"}
     assert [(r.name, r.direction, r.threshold) for r in project.speed] == [("min_tpot_speedup", "min", 1.2),
@@ -43,11 +43,11 @@ def test_per_bucket_rules(tmp_path):
 
 @pytest.mark.parametrize("edit,message", [
     (lambda s: s.replace('model = "smollm2-135m"', "# no model"), r"tokq.toml:\d+: \[base\] needs model"),
-    (lambda s: s.replace("concurrency = 16", "concurrency = \"many\""),
-     r"tokq.toml:26: \[bench\] concurrency = 'many' must be an integer"),
+    (lambda s: s.replace("concurrency = 4", "concurrency = \"many\""),
+     r"tokq.toml:29: \[bench\] concurrency = 'many' must be an integer"),
     (lambda s: s.replace("max_kl = 0.05", "max_kl = \"low\""), r"tokq.toml:\d+: \[gate.quality\] max_kl = 'low' must be a number"),
     (lambda s: s.replace("window = 2048", "windw = 2048"), r"\[data.default\] windw is not a known key"),
-    (lambda s: s.replace("[bench]\nprompt_len", "[bench]\nspeed = 3\nprompt_len"), r"\[bench\] speed is not a known key"),
+    (lambda s: s.replace("\nprompt_len = 512", "\nspeed = 3\nprompt_len = 512"), r"\[bench\] speed is not a known key"),
     (lambda s: s + "\n[gates]\nx = 1\n", r"gates is not a known table"),
     (lambda s: s.replace('threshold_on = "bound"', 'threshold_on = "upper"'), r"tokq.toml:\d+: \[gate.quality\] threshold_on = 'upper' must be"),
     (lambda s: s.replace("min_tpot_speedup = 1.2", "min_tpot_speedup = true"), r"must be a number"),
