@@ -57,22 +57,21 @@ BUILDS = {
 
 def counterfactual(stats: list[dict], grid: int, stride: int) -> dict:
     """From the exhaustive run's per-mapping loss curves: how often the coarse-to-fine walk picks the same point."""
-    same, excess, walks = 0, [], 0
+    excess, evaluations = [], []
     for block in stats:
         for info in block.values():
             if not isinstance(info, dict) or not info.get("losses"):
                 continue
             curve = info["losses"]
-            pick, seen = grid_points(grid, stride, lambda i, curve=curve: curve[i])
-            walks += 1
-            full_pick = min(range(grid), key=lambda i: (curve[i] if curve[i] == curve[i] else float("inf"), i))
-            same += pick == full_pick
+            full_pick = grid_points(grid, 1, curve.__getitem__)[0]
+            pick, seen = grid_points(grid, stride, curve.__getitem__)
             excess.append(curve[pick] / curve[full_pick] - 1 if curve[full_pick] > 0 else 0.0)
-            info_evals = len(seen)
-    return {"mappings": walks, "same_point": same, "same_fraction": same / max(1, walks),
+            evaluations.append(len(seen))
+    return {"mappings": len(excess), "same_point": sum(e == 0 for e in excess),
+            "same_fraction": sum(e == 0 for e in excess) / max(1, len(excess)),
             "max_relative_loss_excess": max(excess, default=0.0),
-            "mean_relative_loss_excess": sum(excess) / max(1, len(excess)), "evaluations_per_mapping": info_evals,
-            "stride": stride, "grid": grid}
+            "mean_relative_loss_excess": sum(excess) / max(1, len(excess)),
+            "evaluations_per_mapping": max(evaluations, default=0), "stride": stride, "grid": grid}
 
 
 def main() -> None:
