@@ -1,13 +1,16 @@
-"""Where a compiled decode step's time goes: each op's share of the step, and the share outside tokq's kernels.
+"""Where a decode step's time goes: each op's share of the step, and the share outside tokq's kernels.
 
     python benchmarks/decode_profile.py [--model smollm2-135m] [--threads 1 2] [--steps 40] [--out PATH]
 
-One sequence (a 512-token prompt), decoding through tokq's engine with the compiled step, for the bf16 model and
-for RTN int4 g64 with the int8 LM head (the build benchmarks/vs_llamacpp.py calls int4+int8head). After 20 warm-up
+One sequence (a 512-token prompt), decoding through tokq's engine, for the bf16 model and for RTN int4 g64 with the
+int8 LM head (the build benchmarks/vs_llamacpp.py calls int4+int8head), on each decode path: the native step
+(engine/native_step.py, the default where it runs) and the compiled graph (TOKQ_NATIVE_STEP=0). After 20 warm-up
 steps, 60 steps are timed (median step) and `--steps` are profiled with torch's profiler: per op its self time per
-step and its share of the profiled wall time. "kernels" sums tokq's native ops (tokq_native::*); everything else
-(the compiled graph's own code and Python wrapper, dynamo's prologue and guards, allocations, copies, the engine)
-is "outside kernels". Writes benchmarks/results/decode-profile-<model>-<cpu>.json (cpu as vs_llamacpp.py names it).
+step and its share of the profiled wall time. "kernels" sums tokq's native ops (tokq_native::*, which the native
+step names for the profiler though it calls them as C++ functions) and aten's weight-only ops; everything else (the
+step's pointwise work, the compiled graph's own code and Python wrapper, dynamo's prologue and guards, allocations,
+copies, the LM head's argmax, the engine's scheduling and Python) is "outside kernels". Writes
+benchmarks/results/decode-profile-<model>-<cpu>.json (cpu as vs_llamacpp.py names it).
 """
 
 from __future__ import annotations
@@ -39,14 +42,22 @@ def build(model_name: str, config: str):
     return model
 
 
-def profile_step(model, threads: int, steps: int) -> dict:
+KERNEL_PREFIXES = ("tokq_native::", "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm")
+PATHS = {"native step": "1", "compiled graph": "0"}  # TOKQ_NATIVE_STEP
+
+
+def profile_step(model, threads: int, steps: int, path: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from tokq.engine import native_step
     from tokq.engine.llm_engine import EngineConfig, LLMEngine
     from tokq.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
+    os.environ[native_step.ENV] = PATHS[path]
     engine = LLMEngine(model, EngineConfig(max_model_len=2048, max_num_seqs=1, compile_decode=True))
+    if (engine.runner.native_step is not None) != (path == "native step"):
+        raise RuntimeError(f"the {path} path is not the one this engine runs ({engine.runner.native_step_why})")
     engine.add_request(list(range(100, 612)), SamplingParams(max_tokens=20 + 60 + steps + 8, ignore_eos=True))
     for _ in range(20):
         engine.step()
@@ -63,7 +74,7 @@ def profile_step(model, threads: int, steps: int) -> dict:
         wall = (time.perf_counter() - started) / steps
     ops = sorted(((e.self_cpu_time_total / steps / 1e6, e.key, e.count / steps) for e in prof.key_averages()),
                  reverse=True)
-    kernels = sum(t for t, key, _ in ops if key.startswith("tokq_native::"))
+    kernels = sum(t for t, key, _ in ops if key.startswith(KERNEL_PREFIXES))
     return {"threads": threads, "step_ms_median": times[len(times) // 2] * 1e3, "step_ms_min": times[0] * 1e3,
             "step_ms_max": times[-1] * 1e3, "profiled_step_ms": wall * 1e3,
             "kernels_share": kernels / wall, "outside_kernels_share": 1 - kernels / wall,
@@ -86,10 +97,11 @@ def main() -> None:
     results = {}
     for config in ("bf16", "int4+int8head"):
         model = build(args.model, config)
-        for threads in args.threads:
-            results[f"{config} @{threads}t"] = profile_step(model, threads, args.steps)
-            r = results[f"{config} @{threads}t"]
-            print(f"{config} @{threads}t: step {r['step_ms_median']:.2f} ms, kernels {r['kernels_share']:.0%}, "
+        for threads, path in ((t, p) for t in args.threads for p in PATHS):
+            key = f"{config} {path} @{threads}t"
+            results[key] = profile_step(model, threads, args.steps, path)
+            r = results[key]
+            print(f"{key}: step {r['step_ms_median']:.2f} ms, kernels {r['kernels_share']:.0%}, "
                   f"outside kernels {r['outside_kernels_share']:.0%}")
         del model
     out = args.out or RESULTS / f"decode-profile-{args.model}-{cpu_tag(cpu_facts())}.json"
@@ -97,8 +109,8 @@ def main() -> None:
         "benchmark": "decode_profile", "model": args.model, "tokq_version": __version__, "torch": torch.__version__,
         "cpu": cpu_facts(), "machine": platform.machine(), "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "prompt_tokens": 512, "results": results,
-        "notes": "compiled decode step, one sequence; shares are of the profiled wall time per step (the profiler "
-                 "adds a little to it); kernels = tokq_native::* ops"}, indent=2) + "\n")
+        "notes": "one sequence; shares are of the profiled wall time per step (the profiler adds a little to it); "
+                 "kernels = tokq_native::* ops and aten's weight-only int4/int8 ops"}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -15,16 +15,17 @@ Sides:
 - llama.cpp: the GGUF the zoo base was converted from (SmolLM2: Q4_1) and an F16 GGUF requantized from it by
   llama.cpp itself (`llama_model_quantize`, F16: the same weights as tokq's 16-bit base, which is that GGUF
   dequantized).
-- tokq, "before": the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python; attention
-  through SDPA, `cpu_paged_sdpa`; aten's int4 op; the 16-bit tied LM head); "after" (`int4+int8head compiled`):
-  pure decode steps compiled, attention through tokq's native decode kernel called from the graph, the int4 layers
+- tokq, "before" (`eager`): the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python;
+  attention through SDPA, `cpu_paged_sdpa`; aten's int4 op; the 16-bit tied LM head); `graph`: pure decode steps
+  through the compiled graph (TOKQ_NATIVE_STEP=0), attention through tokq's native decode kernel called from the
+  graph; `native` (the default, "after"): each decode step one C++ call (engine/native_step.py), the int4 layers
   on the kernel the registry picks for this CPU (tokq's native int4 GEMV on AVX-512 VNNI) and the int8 LM head
   (quantization/lm_head.py, run by the native int8 GEMV); "int4aten+int8head": the same with aten's int4 op.
   int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an AWQ or GPTQ g64 build (their
   rounding differs, their speed does not).
 - Batched (`--batch`, default 16): that many distinct prompts (windows 256 tokens apart, so no shared prefix) decoded
   together at the largest thread count, aggregate decode tok/s timed once every prefill is done: tokq through its
-  engine (continuous batching, compiled steps), llama.cpp through its batch API (one sequence id per prompt, one
+  engine (continuous batching, native steps), llama.cpp through its batch API (one sequence id per prompt, one
   llama_decode per step; LLAMA_BATCH_RUNNER).
 - tokq against itself, step-alternated: the int4 configurations' decode steps alternating one by one (far
   steadier ratios than whole runs on a noisy machine).
@@ -213,23 +214,20 @@ def kernel_names(model) -> list[str]:
     return sorted({m.method.kernel_name for m in model.modules() if hasattr(getattr(m, "method", None), "kernel_name")})
 
 
-def step_alternated(models: dict, configs: list[tuple[str, bool]], prompt: list[int], threads: int, steps: int) -> dict:
+def step_alternated(models: dict, configs: list[tuple[str, str]], prompt: list[int], threads: int, steps: int) -> dict:
     """Decode step times with the configurations alternating step by step (one engine each, one sequence each,
     started from the same prompt): drift on a shared machine hits every configuration alike, so the ratios are
     far steadier than whole runs'. Returns median ms per step and each configuration's speed over the first."""
-    from tokq.engine.llm_engine import EngineConfig, LLMEngine
     from tokq.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     engines = {}
-    for name, compiled in configs:
-        engine = LLMEngine(models[name], EngineConfig(max_model_len=len(prompt) + steps + 8, max_num_seqs=1,
-                                                      compile_decode=compiled,
-                                                      attention_kernels=None if compiled else "cpu_paged_sdpa"))
+    for name, mode in configs:
+        engine = decode_engine(models[name], len(prompt) + steps + 8, mode)
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
         engine.step()  # prefill
         engine.step()
-        engines[f"{name} {'compiled' if compiled else 'eager'}"] = engine
+        engines[f"{name} {mode}"] = engine
     times: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(steps):
         for key, engine in engines.items():
@@ -249,32 +247,46 @@ def kv_bytes_per_token_read(model, context: float) -> float:
     return per_token * context * cfg.num_layers
 
 
-def tokq_decode(model, prompt: list[int], new: int, threads: int, compiled: bool) -> dict:
-    from tokq.engine import compiled_decode
+MODES = ("eager", "graph", "native")
+
+
+def decode_engine(model, max_model_len: int, mode: str, max_num_seqs: int = 1):
+    """An engine decoding on one path: "eager" = before issue 33 (no compiled step, attention through SDPA rather
+    than the native decode kernel); "graph" = the compiled graph (TOKQ_NATIVE_STEP=0); "native" = the native step."""
+    from tokq.engine import native_step
     from tokq.engine.llm_engine import EngineConfig, LLMEngine
+
+    os.environ[native_step.ENV] = "1" if mode == "native" else "0"
+    engine = LLMEngine(model, EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                           compile_decode=mode != "eager",
+                                           attention_kernels="cpu_paged_sdpa" if mode == "eager" else None))
+    if (engine.runner.native_step is not None) != (mode == "native"):
+        raise RuntimeError(f"the {mode} decode path is not the one this engine runs: {engine.runner.native_step_why}")
+    return engine
+
+
+def tokq_decode(model, prompt: list[int], new: int, threads: int, mode: str) -> dict:
+    from tokq.engine import compiled_decode, native_step
     from tokq.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    # eager = "before" issue 33: no compiled step, and attention through SDPA rather than the native decode kernel
-    engine = LLMEngine(model, EngineConfig(max_model_len=len(prompt) + new, max_num_seqs=1,
-                                           compile_decode=compiled,
-                                           attention_kernels=None if compiled else "cpu_paged_sdpa"))
-    before = compiled_decode.compiled_steps
+    engine = decode_engine(model, len(prompt) + new, mode)
+    counter = {"graph": compiled_decode, "native": native_step}.get(mode)
+    attr = "compiled_steps" if mode == "graph" else "steps_run"
+    before = getattr(counter, attr, 0)
     out = engine.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True))[0]
-    if compiled and compiled_decode.compiled_steps - before < new - 1:
-        raise RuntimeError("the compiled decode path did not run (see the log)")
+    if counter is not None and getattr(counter, attr) - before < new - 1:
+        raise RuntimeError(f"the {mode} decode path did not run (see the log)")
     return {"tok_s": 1.0 / out.metrics.tpot_s, "tokens": out.token_ids}
 
 
 def tokq_decode_batch(model, prompts: list[list[int]], new: int, threads: int) -> dict:
-    """Aggregate decode tok/s of len(prompts) sequences decoded together (compiled steps, warmed up first): timed
+    """Aggregate decode tok/s of len(prompts) sequences decoded together (native steps, warmed up first): timed
     from the first step in which every sequence decodes (all prefills done) to the end."""
-    from tokq.engine.llm_engine import EngineConfig, LLMEngine
     from tokq.engine.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    engine = LLMEngine(model, EngineConfig(max_model_len=max(map(len, prompts)) + new + 8,
-                                           max_num_seqs=len(prompts)))
+    engine = decode_engine(model, max(map(len, prompts)) + new + 8, "native", len(prompts))
     engine.warm_up()
     ids = [engine.add_request(p, SamplingParams(max_tokens=new, ignore_eos=True)) for p in prompts]
     seqs = [engine._seqs[i] for i in ids]
@@ -297,14 +309,16 @@ def llama_decode_batch(python: str, gguf: Path, prompts: list[list[int]], new: i
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def warm_compiled(models: dict, prompt: list[int], threads: list[int]) -> dict:
-    """Compile each model's decode graph once before timing (the first call compiles; later engines reuse it)."""
+def warm_compiled(models: dict, prompt: list[int], threads: list[int], graph_models: tuple[str, ...]) -> dict:
+    """Each model's first decode before timing: the graph path compiles there (later engines reuse the graph), the
+    native step builds nothing but tokq's native kernels (once per machine)."""
     seconds = {}
     for name, model in models.items():
-        for t in threads:
-            started = time.perf_counter()
-            tokq_decode(model, prompt[:64], 4, t, True)
-            seconds[f"{name}@{t}"] = round(time.perf_counter() - started, 1)
+        for mode in ("native", "graph") if name in graph_models else ("native",):
+            for t in threads:
+                started = time.perf_counter()
+                tokq_decode(model, prompt[:64], 4, t, mode)
+                seconds[f"{name} {mode}@{t}"] = round(time.perf_counter() - started, 1)
     return seconds
 
 
@@ -468,21 +482,23 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="tokq-vs-llama-"))
     ggufs = llama_ggufs(args.llama_python, locate_gguf(ZOO[args.model], scratch), scratch)
 
-    compile_seconds = warm_compiled(models, prompt, threads)
+    graph_models = ("bf16", "int4+int8head")  # the compiled graph beside the native step for these two
+    compile_seconds = warm_compiled(models, prompt, threads, graph_models)
     int4_peer = "Q4_1" if "Q4_1" in ggufs else "source"
-    configs = ([("tokq", name, compiled) for name in models for compiled in (False, True)
-                if compiled or name in ("bf16", "int4")]
+    configs = ([("tokq", name, mode) for name in models for mode in MODES
+                if mode == "native" or (mode == "eager" and name in ("bf16", "int4"))
+                or (mode == "graph" and name in graph_models)]
                + [("llama.cpp", name, None) for name in ggufs])
     runs: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
     system_info = None
     for repeat in range(args.repeats):
         for t in threads:
-            for side, name, compiled in configs:
-                key = (f"tokq {name} {'compiled' if compiled else 'eager'}" if side == "tokq" else f"llama.cpp {name}")
+            for side, name, mode in configs:
+                key = f"tokq {name} {mode}" if side == "tokq" else f"llama.cpp {name}"
                 key = f"{key} @{t}t"
                 if side == "tokq":
-                    r = tokq_decode(models[name], prompt, args.new, t, compiled)
+                    r = tokq_decode(models[name], prompt, args.new, t, mode)
                 else:
                     r = llama_decode(args.llama_python, ggufs[name], prompt, args.new, t)
                     system_info = r.get("system_info", system_info)
@@ -521,14 +537,18 @@ def main() -> None:
     ratios = {}
     for t in threads:
         for mine, peer in ((f"tokq int4 eager @{t}t", f"llama.cpp {int4_peer} @{t}t"),
-                           (f"tokq int4 compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
-                           (f"tokq int4+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
-                           (f"tokq int4aten+int8head compiled @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4 native @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4+int8head graph @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4+int8head native @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           (f"tokq int4aten+int8head native @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq bf16 eager @{t}t", f"llama.cpp F16 @{t}t"),
-                           (f"tokq bf16 compiled @{t}t", f"llama.cpp F16 @{t}t")):
+                           (f"tokq bf16 graph @{t}t", f"llama.cpp F16 @{t}t"),
+                           (f"tokq bf16 native @{t}t", f"llama.cpp F16 @{t}t"),
+                           (f"tokq int4+int8head native @{t}t", f"tokq int4+int8head graph @{t}t"),
+                           (f"tokq bf16 native @{t}t", f"tokq bf16 graph @{t}t")):
             pairs = [a / b for a, b in zip(runs[mine], runs[peer], strict=True)]
             ratios[f"{mine} / {peer}"] = summary(pairs)
-        scale = [a / b for a, b in zip(runs[f"tokq int4+int8head compiled @{t}t"], runs[f"tokq int4 eager @{t}t"],
+        scale = [a / b for a, b in zip(runs[f"tokq int4+int8head native @{t}t"], runs[f"tokq int4 eager @{t}t"],
                                        strict=True)]
         ratios[f"after / before (int4) @{t}t"] = summary(scale)
     if batched:
@@ -546,8 +566,9 @@ def main() -> None:
             if a and b:
                 ratios[f"thread scaling {key} ({hi}t / {lo}t)"] = summary([x / y for x, y in zip(a, b, strict=True)])
 
-    alternated = {t: step_alternated(models, [("int4", False), ("int4", True), ("int4aten+int8head", True),
-                                              ("int4+int8head", True)], prompt, t, 60 if args.quick else 200)
+    alternated = {t: step_alternated(models, [("int4", "eager"), ("int4+int8head", "graph"),
+                                              ("int4aten+int8head", "native"), ("int4+int8head", "native")],
+                                     prompt, t, 60 if args.quick else 200)
                   for t in threads}
     kl = quality_costs(models, path, tokenizer, args.kl_windows)
 
@@ -567,9 +588,10 @@ def main() -> None:
         "tokq_step_alternated": {f"{t}t": v for t, v in alternated.items()},
         "kernels": {name: kernel_names(m) for name, m in models.items()},
         "greedy_tokens_equal_prefix": {
-            "int4 compiled vs eager": agree(f"tokq int4 compiled @{t0}t", f"tokq int4 eager @{t0}t"),
-            "bf16 compiled vs eager": agree(f"tokq bf16 compiled @{t0}t", f"tokq bf16 eager @{t0}t"),
-            "tokq bf16 compiled vs llama.cpp F16": agree(f"tokq bf16 compiled @{t0}t", f"llama.cpp F16 @{t0}t"),
+            "int4 native vs eager": agree(f"tokq int4 native @{t0}t", f"tokq int4 eager @{t0}t"),
+            "bf16 native vs eager": agree(f"tokq bf16 native @{t0}t", f"tokq bf16 eager @{t0}t"),
+            "bf16 graph vs eager": agree(f"tokq bf16 graph @{t0}t", f"tokq bf16 eager @{t0}t"),
+            "tokq bf16 native vs llama.cpp F16": agree(f"tokq bf16 native @{t0}t", f"llama.cpp F16 @{t0}t"),
             "of": args.new},
         "ggufs": {k: v.name for k, v in ggufs.items()},
         "notes": "int4 = RTN w4a16 g64 in memory (same kernel and bytes as AWQ/GPTQ g64). Decode tok/s excludes "

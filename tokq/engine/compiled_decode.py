@@ -1,5 +1,8 @@
 """The decode step as one compiled graph: no per-layer Python when every sequence of a step decodes one token.
 
+(A bf16 Llama-family model on CPU decodes through engine/native_step.py instead, the whole step one C++ call with
+nothing to compile; this graph serves every model that path does not take, and that path's batches above 64.)
+
 At batch 1 a decode step of SmolLM2-135M is ~150 small ops per layer's worth of Python dispatch around a few
 GEMVs: measured on a 2-core Xeon (1 thread, int4 g64), the 30 decoder layers took 23 ms eagerly against 11.6 ms
 compiled, of which the int4 GEMVs are ~9 ms. `torch.compile` (inductor's CPU backend) fuses the norms, RoPE,

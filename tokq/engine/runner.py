@@ -27,6 +27,8 @@ from tokq.engine.compiled_decode import (
 from tokq.engine.kv_cache import KVCacheSpec, LayerGroup
 from tokq.engine.layers import use_native_gemv
 from tokq.engine.models import CausalLM
+from tokq.engine.native_step import MAX_BATCH as NATIVE_MAX_BATCH
+from tokq.engine.native_step import NativeDecodeStep, native_step_enabled
 from tokq.engine.scheduler import ScheduledStep
 from tokq.kernels.attention import AttentionProblem, PreparedAttention
 from tokq.kernels.paged import QUANT_KV_DTYPES, PagedAttentionMetadata
@@ -108,6 +110,14 @@ class ModelRunner:
         # every layer on the native decode kernel: compiled steps call it straight from the graph (no Python per layer)
         self.graph_attention = (NativeGraphAttention(caches, group_of)
                                 if all(k.name == "cpu_native_paged" for k in self.kernels) else None)
+        # The whole decode step in one C++ call where everything in it has a native form (engine/native_step.py);
+        # otherwise the compiled graph. `native_step_why` says why not (None when it runs).
+        self.native_step: NativeDecodeStep | None = None
+        self.native_step_why: str | None = "decode steps are not compiled" if not self.compile_decode else None
+        if self.compile_decode:
+            built = (NativeDecodeStep.build(model, caches, group_of, [k.name for k in self.kernels])
+                     if native_step_enabled() else "turned off by TOKQ_NATIVE_STEP=0")
+            self.native_step, self.native_step_why = (None, built) if isinstance(built, str) else (built, None)
         # each group's pool size, read off its first layer's cache (for the metadata's bounds check)
         self.group_blocks = [caches[group.layers[0]][0].shape[0] for group in self.groups]
 
@@ -166,7 +176,9 @@ class ModelRunner:
         try:
             hidden = None
             decode = all(n == 1 for n in step.num_tokens) and len(step.num_tokens) <= MAX_COMPILED_BATCH
-            if self.compile_decode and decode:
+            if decode and self.native_step is not None and len(step.num_tokens) <= NATIVE_MAX_BATCH:
+                hidden = self.native_step.run(inputs.input_ids, inputs.positions, inputs.slot_mappings, inputs.metas)
+            elif self.compile_decode and decode:
                 if self.graph_attention is not None:
                     self.graph_attention.set_step(inputs.slot_mappings, inputs.metas)
                 hidden = run_compiled(self.model, self.backend, inputs.input_ids, inputs.positions,

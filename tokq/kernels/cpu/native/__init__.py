@@ -18,7 +18,8 @@ Registered ops: in gemv.cpp `int4_gemv(x, packed, scale, zero, group)` (row-majo
 scale)`, `bf16_gemv(x, w)`, `isa()`; in
 attention.cpp (paged decode attention) `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
 scale, window)`, `paged_write(k, v, k_cache, v_cache, slots)` and `paged_decode_step` (the two in one call, for the
-compiled decode graph). Fake implementations are registered here so that torch.compile can trace through them.
+compiled decode graph); in decode_step.cpp the class `torch.classes.tokq_native.LlamaDecoder` (a Llama-family decode
+step in one call, engine/native_step.py). Fake implementations are registered here so that torch.compile can trace through them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp", "decode_step.cpp")]
 ENV = "TOKQ_NATIVE"
 _lock = threading.Lock()
 _state: dict = {}

@@ -1,0 +1,267 @@
+// A whole decode step of a Llama-family model in one C++ call: `torch.classes.tokq_native.LlamaDecoder`, built once
+// per engine from the model's own tensors (no copies) and the engine's paged caches (engine/native_step.py).
+//
+// Why: through torch.compile's graph, a SmolLM2 decode step at batch 1 spent 34% (1 thread) to 42% (2 threads) of its
+// time outside tokq's kernels (benchmarks/decode_profile.py): the wrapper's Python calling ~150 ops and ~120 fused
+// pointwise loops a step, dynamo's guards and the pre-graph bytecode. Here the step is a C++ loop over the layers
+// calling the same kernels (gemv.cpp's GEMVs, attention.cpp's paged_decode_step) directly, with the small pointwise
+// work (RMSNorm, RoPE, SwiGLU, residuals) written out.
+//
+// The pointwise work rounds to bf16 where the eager PyTorch model does (each op's result is a bf16 tensor there), so a
+// step matches the eager path's up to the order of a few fp32 sums: RMSNorm normalizes in fp32, rounds, then
+// multiplies by the weight (Llama's order); RoPE rounds x*cos, rotate(x)*sin and their sum; SiLU and the gate
+// product are rounded separately; residual adds round once.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                     int64_t group);
+at::Tensor int4_gemv_tiled(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_t,
+                           const at::Tensor& zb_t, int64_t group);
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& qu, const at::Tensor& scale);
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w);
+at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                             at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                             int64_t window);
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// How a linear layer computes (engine/native_step.py's constants name them): the kernel its registry picked, which
+// takes up to `max_rows` rows; more rows go where the Python kernels send them (kernels/cpu/linear.py,
+// native_linear.py): int4 weights dequantized to bf16 for a dense GEMM, int8 weights through aten's int8pack op.
+enum LinearKind : int64_t {
+  DENSE_BF16 = 0,  // a: weight bf16 [N, K] (bf16_gemv hands more than 2 rows to at::linear itself)
+  INT4_TILED = 1,  // a: packed [N/16, K/64, 512], b: scale_t, c: zb_t (fp32 [G, N_pad])
+  INT4_ROWS = 2,   // a: packed [N, K/2], b: scale, c: zero (fp32 [N, G])
+  INT8 = 3,        // a: q int8 [N, K], b: q + 128 uint8 (VNNI builds) or empty, c: scale fp32 [N]; dq_scale bf16 [N]
+  ATEN_INT4 = 4,   // a: aten int4pack [N_pad, K/2], b: scales_and_zeros bf16 [G, N_pad, 2]
+  ATEN_INT8 = 5,   // a: q int8 [N, K], b: scale bf16 [N]
+};
+// a, b, c, bias, input permutation, and the codes, scales and zero points the int4 kinds dequantize above max_rows
+// (INT8: the bf16 scales for aten's op); empty tensors where absent
+constexpr int64_t TENSORS_PER_LINEAR = 8;
+constexpr int64_t META_PER_LINEAR = 4;    // kind, n, group, max_rows
+constexpr int64_t LINEARS_PER_LAYER = 4;  // qkv, o, gate_up, down
+constexpr int64_t KINDS = 6;
+constexpr const char* NAMES[KINDS] = {"tokq_native::bf16_gemv", "tokq_native::int4_gemv_tiled", "tokq_native::int4_gemv",
+                                      "tokq_native::int8_gemv", "tokq_native::aten_int4pack_linear",
+                                      "tokq_native::aten_int8pack_linear"};
+
+struct NativeLinear {
+  int64_t kind = DENSE_BF16, n = 0, group = 0, max_rows = 0;
+  at::Tensor a, b, c, bias, perm, dq_q, dq_scale, dq_zero;
+
+  // W = (q - z) * s as bf16 [N, K], computed in fp32 (kernels/cpu/linear.py's dequantize_bf16)
+  at::Tensor dequantized() const {
+    const int64_t N = dq_q.size(0), K = dq_q.size(1), G = dq_scale.size(1);
+    at::Tensor w = dq_q.view({N, G, K / G}).to(at::kFloat);
+    if (dq_zero.defined()) w.sub_(dq_zero.unsqueeze(-1));
+    return w.mul_(dq_scale.unsqueeze(-1)).view({N, K}).to(at::kBFloat16);
+  }
+
+  // x [M, K] bf16 -> [M, n] bf16, the bias added in bf16 (as kernels/cpu/linear.py's _finish does).
+  at::Tensor operator()(const at::Tensor& x) const {
+    const at::Tensor in = perm.defined() ? x.index_select(1, perm) : x;
+    const bool fits = in.size(0) <= max_rows;
+    // the kernels are called as C++ functions here, not through the dispatcher: named for torch's profiler
+    // (benchmarks/decode_profile.py), a flag check when it is off
+    RECORD_FUNCTION(fits ? NAMES[kind] : "tokq_native::linear_above_gemv_rows", c10::ArrayRef<const c10::IValue>{});
+    at::Tensor y;
+    switch (kind) {
+      case DENSE_BF16: y = bf16_gemv(in, a); break;
+      case INT4_TILED: y = fits ? int4_gemv_tiled(in, a, b, c, group) : at::linear(in, dequantized()); break;
+      case INT4_ROWS: y = fits ? int4_gemv(in, a, b, c, group) : at::linear(in, dequantized()); break;
+      case INT8: y = fits ? int8_gemv(in, a, b, c) : at::_weight_int8pack_mm(in, a, dq_scale); break;
+      case ATEN_INT4: y = fits ? at::_weight_int4pack_mm_for_cpu(in, a, group, b) : at::linear(in, dequantized()); break;
+      default: y = at::_weight_int8pack_mm(in, a, b); break;
+    }
+    if (y.size(1) != n) y = y.narrow(1, 0, n);
+    if (y.scalar_type() != at::kBFloat16 || !y.is_contiguous()) y = y.to(at::kBFloat16).contiguous();
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
+};
+
+inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// Llama's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(bf16), the normalization in fp32.
+void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t M, int64_t H, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    const bf16* xr = x + m * H;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; ++i)
+      out[m * H + i] = bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(xr[i]) * r));
+  }
+}
+
+// Rotate-half RoPE of `heads` heads of one token, in place; cos/sin already rounded to bf16 (as the model's tables).
+void rope(bf16* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    bf16* xh = x + h * D;
+    float tmp[512];
+    for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(xh[d]);
+    for (int64_t d = 0; d < D; ++d) {
+      const float rotated = d < half ? -tmp[d + half] : tmp[d - half];
+      xh[d] = bf16(round_bf16(tmp[d] * cos[d]) + round_bf16(rotated * sin[d]));
+    }
+  }
+}
+
+class LlamaDecoder : public torch::CustomClassHolder {
+ public:
+  // dims: hidden, heads, kv_heads, head_dim, intermediate, layers. floats: rms eps, attention scale.
+  // tensors: embed [V, H] bf16, final norm [H], inv_freq fp32 [D/2], then per layer: input norm, post-attention norm,
+  // and its four linears' TENSORS_PER_LINEAR tensors each. linear_meta: META_PER_LINEAR values per linear.
+  // caches: per layer k, v. layer_meta: per layer (pool group, sliding window or 0).
+  LlamaDecoder(std::vector<int64_t> dims, std::vector<double> floats, std::vector<at::Tensor> tensors,
+               std::vector<int64_t> linear_meta, std::vector<at::Tensor> caches, std::vector<int64_t> layer_meta) {
+    TORCH_CHECK(dims.size() == 6 && floats.size() == 2, "LlamaDecoder: dims (6) and floats (2)");
+    hidden_ = dims[0], heads_ = dims[1], kv_heads_ = dims[2], head_dim_ = dims[3], inter_ = dims[4], layers_ = dims[5];
+    TORCH_CHECK(head_dim_ % 2 == 0 && head_dim_ <= 512, "LlamaDecoder: head_dim even and at most 512");
+    eps_ = static_cast<float>(floats[0]), scale_ = floats[1];
+    const int64_t linears = layers_ * LINEARS_PER_LAYER;
+    TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 3 + layers_ * (2 + LINEARS_PER_LAYER * TENSORS_PER_LINEAR),
+                "LlamaDecoder: tensors");
+    TORCH_CHECK(static_cast<int64_t>(linear_meta.size()) == META_PER_LINEAR * linears, "LlamaDecoder: linear_meta");
+    TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * layers_ && static_cast<int64_t>(layer_meta.size()) == 2 * layers_,
+                "LlamaDecoder: caches and layer_meta per layer");
+    embed_ = tensors[0], final_norm_ = tensors[1], inv_freq_ = tensors[2].to(at::kFloat).contiguous();
+    TORCH_CHECK(embed_.scalar_type() == at::kBFloat16 && embed_.dim() == 2 && embed_.size(1) == hidden_,
+                "LlamaDecoder: bf16 embeddings [V, hidden]");
+    TORCH_CHECK(inv_freq_.numel() == head_dim_ / 2, "LlamaDecoder: inv_freq [head_dim / 2]");
+    int64_t t = 3;
+    for (int64_t l = 0; l < layers_; ++l) {
+      norms_.push_back(tensors[t++].contiguous());
+      norms_.push_back(tensors[t++].contiguous());
+      for (int64_t j = 0; j < LINEARS_PER_LAYER; ++j) {
+        NativeLinear lin;
+        const int64_t i = l * LINEARS_PER_LAYER + j;
+        const int64_t* meta = &linear_meta[META_PER_LINEAR * i];
+        lin.kind = meta[0], lin.n = meta[1], lin.group = meta[2], lin.max_rows = meta[3];
+        TORCH_CHECK(lin.kind >= 0 && lin.kind < KINDS, "LlamaDecoder: linear kind ", lin.kind);
+        lin.a = tensors[t], lin.b = tensors[t + 1], lin.c = tensors[t + 2];
+        if (tensors[t + 3].numel()) lin.bias = tensors[t + 3].to(at::kBFloat16).contiguous();
+        if (tensors[t + 4].numel()) lin.perm = tensors[t + 4].to(at::kLong);
+        if (tensors[t + 5].numel()) lin.dq_q = tensors[t + 5];
+        if (tensors[t + 6].numel()) lin.dq_scale = tensors[t + 6];
+        if (tensors[t + 7].numel()) lin.dq_zero = tensors[t + 7];
+        const bool dequantizes = lin.kind == INT4_TILED || lin.kind == INT4_ROWS || lin.kind == ATEN_INT4;
+        TORCH_CHECK(!dequantizes || (lin.dq_q.defined() && lin.dq_scale.defined() && lin.dq_scale.dim() == 2),
+                    "LlamaDecoder: int4 linears need their codes and scales");
+        TORCH_CHECK(lin.kind != INT8 || lin.dq_scale.defined(), "LlamaDecoder: int8 linears need bf16 scales");
+        t += TENSORS_PER_LINEAR;
+        linears_.push_back(lin);
+      }
+    }
+    for (auto& n : norms_) TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.numel() == hidden_, "LlamaDecoder: norms");
+    TORCH_CHECK(final_norm_.scalar_type() == at::kBFloat16 && final_norm_.numel() == hidden_, "LlamaDecoder: norm");
+    final_norm_ = final_norm_.contiguous();
+    caches_ = std::move(caches);
+    layer_meta_ = std::move(layer_meta);
+    const int64_t qkv = (heads_ + 2 * kv_heads_) * head_dim_;
+    for (int64_t l = 0; l < layers_; ++l) {
+      TORCH_CHECK(linears_[l * 4].n == qkv && linears_[l * 4 + 1].n == hidden_ && linears_[l * 4 + 2].n == 2 * inter_ &&
+                      linears_[l * 4 + 3].n == hidden_,
+                  "LlamaDecoder: layer ", l, "'s projection sizes");
+    }
+  }
+
+  // One decode token per sequence: ids, positions int64 [M]; per pool group its slot mapping, block tables, sequence
+  // lengths and query starts (the runner's metadata). Writes each layer's new K/V into its cache; returns the final
+  // normed hidden states [M, hidden] bf16.
+  at::Tensor step(const at::Tensor& ids, const at::Tensor& positions, std::vector<at::Tensor> slots,
+                  std::vector<at::Tensor> tables, std::vector<at::Tensor> seq_lens, std::vector<at::Tensor> starts) {
+    TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes(), "LlamaDecoder.step: ids and positions [M]");
+    RECORD_FUNCTION("LlamaDecoder.step", c10::ArrayRef<const c10::IValue>{});
+    const int64_t M = ids.size(0), D = head_dim_, H = hidden_;
+    const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D;
+    at::Tensor h = embed_.index_select(0, ids).contiguous();  // [M, H]: the residual stream
+    auto opts = h.options();
+    at::Tensor x = at::empty({M, H}, opts);
+    // RoPE tables for this step's positions, rounded to bf16 like the model's cos/sin tables
+    std::vector<float> cos(M * D), sin(M * D);
+    const auto pos = positions.to(at::kLong).contiguous();
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    const float* inv = inv_freq_.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t d = 0; d < D; ++d) {
+        const float f = static_cast<float>(pp[m]) * inv[d % (D / 2)];
+        cos[m * D + d] = round_bf16(std::cos(f));
+        sin[m * D + d] = round_bf16(std::sin(f));
+      }
+    for (int64_t l = 0; l < layers_; ++l) {
+      const NativeLinear* lin = &linears_[l * LINEARS_PER_LAYER];
+      rms_norm(h.data_ptr<bf16>(), norms_[2 * l].data_ptr<bf16>(), x.data_ptr<bf16>(), M, H, eps_);
+      at::Tensor qkv = lin[0](x);  // [M, q + 2 kv]
+      at::Tensor q = qkv.narrow(1, 0, q_size).contiguous();
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).contiguous();
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
+      for (int64_t m = 0; m < M; ++m) {
+        rope(q.data_ptr<bf16>() + m * q_size, heads_, D, &cos[m * D], &sin[m * D]);
+        rope(k.data_ptr<bf16>() + m * kv_size, kv_heads_, D, &cos[m * D], &sin[m * D]);
+      }
+      const int64_t g = layer_meta_[2 * l];
+      at::Tensor attn;
+      {
+        RECORD_FUNCTION("tokq_native::paged_decode_step", c10::ArrayRef<const c10::IValue>{});
+        attn = paged_decode_step(q.view({M, heads_, D}), k.view({M, kv_heads_, D}), v.view({M, kv_heads_, D}),
+                                 caches_[2 * l], caches_[2 * l + 1], slots[g], tables[g], seq_lens[g], starts[g], scale_,
+                                 layer_meta_[2 * l + 1]);
+      }
+      add_into(h, lin[1](attn.reshape({M, q_size})));
+      rms_norm(h.data_ptr<bf16>(), norms_[2 * l + 1].data_ptr<bf16>(), x.data_ptr<bf16>(), M, H, eps_);
+      at::Tensor gu = lin[2](x);  // [M, 2 I]: gate then up
+      at::Tensor act = at::empty({M, inter_}, opts);
+      const bf16* gp = gu.data_ptr<bf16>();
+      bf16* ap = act.data_ptr<bf16>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < inter_; ++i) {
+          const float g_ = static_cast<float>(gp[m * 2 * inter_ + i]);
+          const float silu = round_bf16(g_ / (1.f + std::exp(-g_)));
+          ap[m * inter_ + i] = bf16(silu * static_cast<float>(gp[m * 2 * inter_ + inter_ + i]));
+        }
+      add_into(h, lin[3](act));
+    }
+    at::Tensor out = at::empty({M, H}, opts);
+    rms_norm(h.data_ptr<bf16>(), final_norm_.data_ptr<bf16>(), out.data_ptr<bf16>(), M, H, eps_);
+    return out;
+  }
+
+ private:
+  static void add_into(at::Tensor& h, const at::Tensor& y) {  // h += y, rounded to bf16 once
+    bf16* hp = h.data_ptr<bf16>();
+    const bf16* yp = y.data_ptr<bf16>();
+    const int64_t n = h.numel();
+    for (int64_t i = 0; i < n; ++i) hp[i] = bf16(static_cast<float>(hp[i]) + static_cast<float>(yp[i]));
+  }
+
+  int64_t hidden_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, layers_ = 0;
+  float eps_ = 1e-6f;
+  double scale_ = 1.0;
+  at::Tensor embed_, final_norm_, inv_freq_;
+  std::vector<at::Tensor> norms_, caches_;
+  std::vector<NativeLinear> linears_;
+  std::vector<int64_t> layer_meta_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokq_native, m) {
+  m.class_<LlamaDecoder>("LlamaDecoder")
+      .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<int64_t>,
+                       std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("step", &LlamaDecoder::step);
+}
