@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
@@ -59,6 +60,7 @@ constexpr const char* NAMES[KINDS] = {"tokq_native::bf16_gemv", "tokq_native::in
 struct NativeLinear {
   int64_t kind = DENSE_BF16, n = 0, group = 0, max_rows = 0;
   at::Tensor a, b, c, bias, perm, dq_q, dq_scale, dq_zero;
+  std::vector<float> bias_f;  // the bias's bf16 values
 
   // W = (q - z) * s as bf16 [N, K], computed in fp32 (kernels/cpu/linear.py's dequantize_bf16)
   at::Tensor dequantized() const {
@@ -84,10 +86,23 @@ struct NativeLinear {
       case ATEN_INT4: y = fits ? at::_weight_int4pack_mm_for_cpu(in, a, group, b) : at::linear(in, dequantized()); break;
       default: y = at::_weight_int8pack_mm(in, a, b); break;
     }
-    if (y.size(1) != n) y = y.narrow(1, 0, n);
-    if (y.scalar_type() != at::kBFloat16 || !y.is_contiguous()) y = y.to(at::kBFloat16).contiguous();
-    if (bias.defined()) y.add_(bias);
-    return y;
+    if (y.scalar_type() == at::kBFloat16 && y.size(1) == n && y.is_contiguous() && !bias.defined()) return y;
+    // y [M, >= n] fp32 or bf16 -> bf16 [M, n], then + bias in bf16: written out rather than narrow / to / add_
+    // (three dispatched ops and allocations a projection, ~120 a step)
+    const int64_t M = y.size(0), stride = y.size(1);
+    const at::Tensor yc = y.contiguous();
+    at::Tensor out = at::empty({M, n}, x.options());
+    bf16* op = out.data_ptr<bf16>();
+    const bool is_float = yc.scalar_type() == at::kFloat;
+    const float* yf = is_float ? yc.data_ptr<float>() : nullptr;
+    const bf16* yb = is_float ? nullptr : yc.data_ptr<bf16>();
+    const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < n; ++j) {
+        float v = is_float ? static_cast<float>(bf16(yf[m * stride + j])) : static_cast<float>(yb[m * stride + j]);
+        op[m * n + j] = bp ? bf16(v + bp[j]) : bf16(v);
+      }
+    return out;
   }
 };
 
@@ -106,16 +121,15 @@ void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t M, int64_t H, flo
   }
 }
 
-// Rotate-half RoPE of `heads` heads of one token, in place; cos/sin already rounded to bf16 (as the model's tables).
-void rope(bf16* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+// Rotate-half RoPE of `heads` heads of one token, src -> dst; cos/sin already rounded to bf16 (as the model's tables).
+void rope(const bf16* src, bf16* dst, int64_t heads, int64_t D, const float* cos, const float* sin) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
-    bf16* xh = x + h * D;
-    float tmp[512];
-    for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(xh[d]);
+    const bf16* xh = src + h * D;
     for (int64_t d = 0; d < D; ++d) {
-      const float rotated = d < half ? -tmp[d + half] : tmp[d - half];
-      xh[d] = bf16(round_bf16(tmp[d] * cos[d]) + round_bf16(rotated * sin[d]));
+      const float x = static_cast<float>(xh[d]);
+      const float rotated = d < half ? -static_cast<float>(xh[d + half]) : static_cast<float>(xh[d - half]);
+      dst[h * D + d] = bf16(round_bf16(x * cos[d]) + round_bf16(rotated * sin[d]));
     }
   }
 }
@@ -153,7 +167,11 @@ class LlamaDecoder : public torch::CustomClassHolder {
         lin.kind = meta[0], lin.n = meta[1], lin.group = meta[2], lin.max_rows = meta[3];
         TORCH_CHECK(lin.kind >= 0 && lin.kind < KINDS, "LlamaDecoder: linear kind ", lin.kind);
         lin.a = tensors[t], lin.b = tensors[t + 1], lin.c = tensors[t + 2];
-        if (tensors[t + 3].numel()) lin.bias = tensors[t + 3].to(at::kBFloat16).contiguous();
+        if (tensors[t + 3].numel()) {
+          lin.bias = tensors[t + 3].to(at::kBFloat16).contiguous();
+          const bf16* bp = lin.bias.data_ptr<bf16>();
+          lin.bias_f.assign(bp, bp + lin.bias.numel());
+        }
         if (tensors[t + 4].numel()) lin.perm = tensors[t + 4].to(at::kLong);
         if (tensors[t + 5].numel()) lin.dq_q = tensors[t + 5];
         if (tensors[t + 6].numel()) lin.dq_scale = tensors[t + 6];
@@ -202,16 +220,19 @@ class LlamaDecoder : public torch::CustomClassHolder {
         cos[m * D + d] = round_bf16(std::cos(f));
         sin[m * D + d] = round_bf16(std::sin(f));
       }
+    // the step's buffers, reused by every layer
+    at::Tensor q = at::empty({M, q_size}, opts), k = at::empty({M, kv_size}, opts), v = at::empty({M, kv_size}, opts);
+    at::Tensor act = at::empty({M, inter_}, opts);
     for (int64_t l = 0; l < layers_; ++l) {
       const NativeLinear* lin = &linears_[l * LINEARS_PER_LAYER];
       rms_norm(h.data_ptr<bf16>(), norms_[2 * l].data_ptr<bf16>(), x.data_ptr<bf16>(), M, H, eps_);
-      at::Tensor qkv = lin[0](x);  // [M, q + 2 kv]
-      at::Tensor q = qkv.narrow(1, 0, q_size).contiguous();
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).contiguous();
-      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
+      const at::Tensor qkv = lin[0](x);  // [M, q + 2 kv]
+      const bf16* qkv_p = qkv.data_ptr<bf16>();
       for (int64_t m = 0; m < M; ++m) {
-        rope(q.data_ptr<bf16>() + m * q_size, heads_, D, &cos[m * D], &sin[m * D]);
-        rope(k.data_ptr<bf16>() + m * kv_size, kv_heads_, D, &cos[m * D], &sin[m * D]);
+        const bf16* row = qkv_p + m * (q_size + 2 * kv_size);
+        rope(row, q.data_ptr<bf16>() + m * q_size, heads_, D, &cos[m * D], &sin[m * D]);
+        rope(row + q_size, k.data_ptr<bf16>() + m * kv_size, kv_heads_, D, &cos[m * D], &sin[m * D]);
+        std::memcpy(v.data_ptr<bf16>() + m * kv_size, row + q_size + kv_size, kv_size * sizeof(bf16));
       }
       const int64_t g = layer_meta_[2 * l];
       at::Tensor attn;
@@ -223,8 +244,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
       }
       add_into(h, lin[1](attn.reshape({M, q_size})));
       rms_norm(h.data_ptr<bf16>(), norms_[2 * l + 1].data_ptr<bf16>(), x.data_ptr<bf16>(), M, H, eps_);
-      at::Tensor gu = lin[2](x);  // [M, 2 I]: gate then up
-      at::Tensor act = at::empty({M, inter_}, opts);
+      const at::Tensor gu = lin[2](x);  // [M, 2 I]: gate then up
       const bf16* gp = gu.data_ptr<bf16>();
       bf16* ap = act.data_ptr<bf16>();
       for (int64_t m = 0; m < M; ++m)
