@@ -70,9 +70,11 @@ struct NativeLinear {
     return w.mul_(dq_scale.unsqueeze(-1)).view({N, K}).to(at::kBFloat16);
   }
 
-  // x [M, K] bf16 -> [M, n] bf16, the bias added in bf16 (as kernels/cpu/linear.py's _finish does).
-  at::Tensor operator()(const at::Tensor& x) const {
+  // x [M, K] bf16 -> [M, n] bf16, the bias added in bf16 (as kernels/cpu/linear.py's _finish does). xf: the same
+  // values in fp32, which the integer GEMVs quantize from (passing it saves each of them a conversion op).
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& xf) const {
     const at::Tensor in = perm.defined() ? x.index_select(1, perm) : x;
+    const at::Tensor& xin = perm.defined() ? in : xf;
     const bool fits = in.size(0) <= max_rows;
     // the kernels are called as C++ functions here, not through the dispatcher: named for torch's profiler
     // (benchmarks/decode_profile.py), a flag check when it is off
@@ -80,9 +82,9 @@ struct NativeLinear {
     at::Tensor y;
     switch (kind) {
       case DENSE_BF16: y = bf16_gemv(in, a); break;
-      case INT4_TILED: y = fits ? int4_gemv_tiled(in, a, b, c, group) : at::linear(in, dequantized()); break;
-      case INT4_ROWS: y = fits ? int4_gemv(in, a, b, c, group) : at::linear(in, dequantized()); break;
-      case INT8: y = fits ? int8_gemv(in, a, b, c) : at::_weight_int8pack_mm(in, a, dq_scale); break;
+      case INT4_TILED: y = fits ? int4_gemv_tiled(xin, a, b, c, group) : at::linear(in, dequantized()); break;
+      case INT4_ROWS: y = fits ? int4_gemv(xin, a, b, c, group) : at::linear(in, dequantized()); break;
+      case INT8: y = fits ? int8_gemv(xin, a, b, c) : at::_weight_int8pack_mm(in, a, dq_scale); break;
       case ATEN_INT4: y = fits ? at::_weight_int4pack_mm_for_cpu(in, a, group, b) : at::linear(in, dequantized()); break;
       default: y = at::_weight_int8pack_mm(in, a, b); break;
     }
@@ -107,6 +109,14 @@ struct NativeLinear {
 };
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// dst fp32 = src bf16 (exact), n values
+void widen(const at::Tensor& src, at::Tensor& dst) {
+  const bf16* s = src.data_ptr<bf16>();
+  float* d = dst.data_ptr<float>();
+  const int64_t n = src.numel();
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
+}
 
 // Llama's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(bf16), the normalization in fp32.
 void rms_norm(const bf16* x, const bf16* w, bf16* out, int64_t M, int64_t H, float eps) {
@@ -223,10 +233,13 @@ class LlamaDecoder : public torch::CustomClassHolder {
     // the step's buffers, reused by every layer
     at::Tensor q = at::empty({M, q_size}, opts), k = at::empty({M, kv_size}, opts), v = at::empty({M, kv_size}, opts);
     at::Tensor act = at::empty({M, inter_}, opts);
+    const auto fopts = opts.dtype(at::kFloat);
+    at::Tensor xf = at::empty({M, H}, fopts), attn_f = at::empty({M, q_size}, fopts), act_f = at::empty({M, inter_}, fopts);
     for (int64_t l = 0; l < layers_; ++l) {
       const NativeLinear* lin = &linears_[l * LINEARS_PER_LAYER];
       rms_norm(h.data_ptr<bf16>(), norms_[2 * l].data_ptr<bf16>(), x.data_ptr<bf16>(), M, H, eps_);
-      const at::Tensor qkv = lin[0](x);  // [M, q + 2 kv]
+      widen(x, xf);
+      const at::Tensor qkv = lin[0](x, xf);  // [M, q + 2 kv]
       const bf16* qkv_p = qkv.data_ptr<bf16>();
       for (int64_t m = 0; m < M; ++m) {
         const bf16* row = qkv_p + m * (q_size + 2 * kv_size);
@@ -242,9 +255,12 @@ class LlamaDecoder : public torch::CustomClassHolder {
                                  caches_[2 * l], caches_[2 * l + 1], slots[g], tables[g], seq_lens[g], starts[g], scale_,
                                  layer_meta_[2 * l + 1]);
       }
-      add_into(h, lin[1](attn.reshape({M, q_size})));
+      const at::Tensor attn_rows = attn.reshape({M, q_size});
+      widen(attn_rows, attn_f);
+      add_into(h, lin[1](attn_rows, attn_f));
       rms_norm(h.data_ptr<bf16>(), norms_[2 * l + 1].data_ptr<bf16>(), x.data_ptr<bf16>(), M, H, eps_);
-      const at::Tensor gu = lin[2](x);  // [M, 2 I]: gate then up
+      widen(x, xf);
+      const at::Tensor gu = lin[2](x, xf);  // [M, 2 I]: gate then up
       const bf16* gp = gu.data_ptr<bf16>();
       bf16* ap = act.data_ptr<bf16>();
       for (int64_t m = 0; m < M; ++m)
@@ -253,7 +269,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
           const float silu = round_bf16(g_ / (1.f + std::exp(-g_)));
           ap[m * inter_ + i] = bf16(silu * static_cast<float>(gp[m * 2 * inter_ + inter_ + i]));
         }
-      add_into(h, lin[3](act));
+      widen(act, act_f);
+      add_into(h, lin[3](act, act_f));
     }
     at::Tensor out = at::empty({M, H}, opts);
     rms_norm(h.data_ptr<bf16>(), final_norm_.data_ptr<bf16>(), out.data_ptr<bf16>(), M, H, eps_);
