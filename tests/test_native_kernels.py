@@ -163,14 +163,31 @@ for m, n, k in ((1, 37, 100), (2, 64, 576)):  # a K and an N the vector loops do
     want = x.float() @ w.float().t()
     err = ((torch.ops.tokq_native.bf16_gemv(x, w).float() - want).abs().max() / want.abs().max()).item()
     assert err < 1e-2, ("bf16_gemv", m, n, k, err)
+# the native decode step (decode_step.cpp's scalar or vector pointwise code): the eager step's greedy tokens
+import os, tempfile
+from tests.test_models_vs_hf import make_hf_checkpoint
+from tokq.engine.checkpoint import load_model
+from tokq.engine.llm_engine import EngineConfig, LLMEngine
+from tokq.engine.sampling import SamplingParams
+folder = tempfile.mkdtemp()
+make_hf_checkpoint("qwen2", folder)  # qkv biases
+model = load_model(folder, dtype="bf16")
+prompts = [[5, 17, 33, 2, 9], list(range(3, 40))]
+tokens = {}
+for native_on in (False, True):
+    engine = LLMEngine(model, EngineConfig(kv_memory=1 << 20, max_model_len=96, compile_decode=native_on))
+    assert (engine.runner.native_step is not None) == native_on, engine.runner.native_step_why
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    tokens[native_on] = [o.token_ids for o in outs]
+assert tokens[True] == tokens[False], tokens
 print(native.isa())
 """
 
 
 @pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
 def test_other_instruction_sets_match_reference(march, isa, tmp_path):
-    """The AVX2 and plain-C paths (GEMVs and decode attention), built for those instruction sets on this CPU (CI's
-    CPU may be any of them)."""
+    """The AVX2 and plain-C paths (GEMVs, decode attention and the decode step's pointwise code), built for those
+    instruction sets on this CPU (CI's CPU may be any of them)."""
     import os
     import platform
     import subprocess
