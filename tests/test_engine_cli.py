@@ -60,7 +60,8 @@ def test_bench_table_and_json(checkpoint, tmp_path, capsys):
         m = row["metrics"]
         assert m["requests"] == 3 and m["output_tokens"] == 15 and m["prompt_tokens"] == 36
         assert m["ttft_mean_s"] > 0 and m["tbt_p95_s"] >= m["tbt_p50_s"] > 0
-        assert row["kernels"] == {"linear": ["dense"], "attention": [CPU_ATTENTION]}
+        # the suite runs with TOKQ_COMPILE=0: decode steps eager
+        assert row["kernels"] == {"linear": ["dense"], "attention": [CPU_ATTENTION], "decode": ["eager"]}
         assert row["roofline"]["bytes_per_step"] > row["roofline"]["weight_bytes"] > 0
     assert report["workload"]["arrival_rate"] == 200
     assert "TPOT" in capsys.readouterr().out

@@ -172,7 +172,7 @@ def _print_table(rows: list[dict], workload, runtime, compute: str, bandwidth: d
         roof = "-" if not r.get("roofline") else \
             f"{r['roofline']['roofline_step_s'] * 1e3:.1f} ms ({r['roofline_fraction']:.0%})"
         memory = format_bytes(r.get("model_bytes", 0) + r["kv_cache_bytes"])
-        kernels = ", ".join(r["kernels"]["linear"] + r["kernels"]["attention"])
+        kernels = ", ".join(r["kernels"]["linear"] + r["kernels"]["attention"] + r["kernels"].get("decode", []))
         spec = r.get("speculative")
         mode = r["mode"] + (f" (accept {spec['acceptance_rate']:.0%}, x{spec['net_speedup']:.2f})" if spec else "")
         table.add_row(r["variant"], mode, _ms(m["ttft_mean_s"]), _ms(m["tpot_mean_s"]), _ms(m["tbt_p95_s"]),

@@ -259,7 +259,7 @@ class LLMEngine:
 
         linear = sorted({m.method.kernel_name for m in self.model.modules()
                          if isinstance(getattr(m, "method", None), QuantizedLinearMethod)}) or ["dense"]
-        return {"linear": linear, "attention": self.runner.kernel_names}
+        return {"linear": linear, "attention": self.runner.kernel_names, "decode": [self.runner.decode_path]}
 
     # Requests -------------------------------------------------------------------------------------
 

@@ -122,6 +122,11 @@ class ModelRunner:
         self.group_blocks = [caches[group.layers[0]][0].shape[0] for group in self.groups]
 
     @property
+    def decode_path(self) -> str:
+        """How pure decode steps run: "native step", "compiled graph" or "eager" (bench rows and reports say it)."""
+        return "native step" if self.native_step is not None else "compiled graph" if self.compile_decode else "eager"
+
+    @property
     def kernel_names(self) -> list[str]:
         return sorted({k.name for k in self.kernels})
 

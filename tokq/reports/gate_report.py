@@ -266,7 +266,8 @@ def _speed_section(benches: dict[str, dict], variants: dict[str, dict]) -> dict:
                                         for _, key, fmt in SPEED_COLUMNS),
                          _weights_mib(row), row["stalls"],
                          "-" if roof is None else f"{roof:.0%}",
-                         ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"]) if row.get("kernels")
+                         ", ".join(row["kernels"]["linear"] + row["kernels"]["attention"] + row["kernels"].get("decode", []))
+                         if row.get("kernels")
                          else f"over HTTP: {row.get('url')}"])
     speed_rules = {name: [r for r in variants[name]["rules"] if r["kind"] == "speed"] for name in benches}
     return {"rows": rows, "ratios_plot": plots.speed_ratios(speed_rules), "steps_plot": plots.tbt_distribution(steps)}
