@@ -108,12 +108,13 @@ def test_compare_cli_on_smollm2(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(native.unavailable() is not None, reason="native kernels unavailable")
-def test_native_decode_step_equals_eager_on_smollm2(monkeypatch):
-    """The native decode step (engine/native_step.py) on the real model in bf16, dense and int4 with the int8 head:
-    the eager step's greedy tokens, and its logprobs within bf16 rounding. A step is bit-identical to the eager one
-    on the same inputs; over 24 steps the fp32 sums' order (RMSNorm's mean, exp in SiLU) now and then rounds a bf16
-    value the other way and the difference compounds (measured: at most 0.15 nats at one token; the compiled graph's
-    hidden states differ from eager by 2% of their largest value at every step)."""
+def test_native_decode_step_follows_eager_on_smollm2(monkeypatch):
+    """The native decode step (engine/native_step.py) on the real model in bf16, dense and int4 with the int8 head,
+    against the eager step on the same kernels: a step on the same inputs is bit-identical, but over many steps the
+    order of a few fp32 sums (RMSNorm's mean) now and then rounds a bf16 value the other way and the difference
+    compounds, as the compiled graph's does (its hidden states differ from eager's by 2% of the largest value at every
+    step). So: the same greedy tokens up to where the two first differ, logprobs there within 0.3 nats, and a
+    difference only at a near tie (the two tokens within 0.1 nats of each other in the native step's distribution)."""
     from tokq.engine import native_step
     from tokq.quantization.lm_head import quantize_lm_head_
     from tokq.quantization.pipeline import quantize_model
@@ -123,7 +124,7 @@ def test_native_decode_step_equals_eager_on_smollm2(monkeypatch):
     checkpoint = resolve_model("smollm2-135m")
     tokenizer = load_tokenizer(checkpoint)
     prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):\n")]
-    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
     for quantized in (False, True):
         model = load_model(checkpoint, dtype="bf16")
         if quantized:
@@ -135,6 +136,13 @@ def test_native_decode_step_equals_eager_on_smollm2(monkeypatch):
             assert (engine.runner.native_step is not None) == native_on, engine.runner.native_step_why
             outs[native_on] = engine.generate(prompts, params)
         for eager, fast in zip(outs[False], outs[True], strict=True):
-            assert fast.token_ids == eager.token_ids
-            worst = max(abs(a.logprob - b.logprob) for a, b in zip(eager.logprobs, fast.logprobs, strict=True))
+            same = next((i for i, (a, b) in enumerate(zip(eager.token_ids, fast.token_ids, strict=True)) if a != b),
+                        len(eager.token_ids))
+            worst = max(abs(a.logprob - b.logprob) for a, b in zip(eager.logprobs[:same], fast.logprobs[:same],
+                                                                      strict=True))
             assert worst < 0.3, f"native step logprobs differ from eager by {worst:.3f} (quantized={quantized})"
+            if same < len(eager.token_ids):  # a flip: only where the eager token was nearly as likely
+                top = dict(fast.logprobs[same].top)
+                chosen = fast.token_ids[same]
+                assert eager.token_ids[same] in top and top[chosen] - top[eager.token_ids[same]] < 0.1, \
+                    (quantized, same, top)
