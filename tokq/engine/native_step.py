@@ -102,9 +102,8 @@ def why_not(model: CausalLM, attention_kernels: list[str]) -> str | None:
 class NativeDecodeStep:
     """One engine's native decode step: the model's tensors and the engine's caches, bound once."""
 
-    def __init__(self, decoder, layers: int) -> None:
+    def __init__(self, decoder) -> None:
         self.decoder = decoder
-        self.layers = layers
 
     @classmethod
     def build(cls, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]], group_of: list[int],
@@ -135,7 +134,7 @@ class NativeDecodeStep:
                 config.num_layers]
         decoder = torch.classes.tokq_native.LlamaDecoder(dims, [config.rms_norm_eps, config.attn_scale], tensors, meta,
                                                          flat_caches, layer_meta)
-        return cls(decoder, config.num_layers)
+        return cls(decoder)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mappings: list[torch.Tensor],
             metas: list) -> torch.Tensor:

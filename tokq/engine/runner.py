@@ -27,7 +27,6 @@ from tokq.engine.compiled_decode import (
 from tokq.engine.kv_cache import KVCacheSpec, LayerGroup
 from tokq.engine.layers import use_native_gemv
 from tokq.engine.models import CausalLM
-from tokq.engine.native_step import MAX_BATCH as NATIVE_MAX_BATCH
 from tokq.engine.native_step import NativeDecodeStep, native_step_enabled
 from tokq.engine.scheduler import ScheduledStep
 from tokq.kernels.attention import AttentionProblem, PreparedAttention
@@ -220,7 +219,7 @@ class ModelRunner:
         try:
             hidden = None
             decode = all(n == 1 for n in step.num_tokens) and len(step.num_tokens) <= MAX_COMPILED_BATCH
-            if decode and self.native_step is not None and len(step.num_tokens) <= NATIVE_MAX_BATCH:
+            if decode and self.native_step is not None:  # (native_step.MAX_BATCH is the graph's limit too)
                 hidden = self.native_step.run(inputs.input_ids, inputs.positions, inputs.slot_mappings, inputs.metas)
             elif self.compile_decode and decode:
                 if self.graph_attention is not None:
