@@ -94,30 +94,55 @@ def test_int4_packing_layout():
     assert int(packed[0, 16]) == int(u[0, 32]) | int(u[0, 48]) << 4  # chunk 1, byte 0: elements 32 and 48
 
 
-def test_int4_tiled_packing_layout():
-    codes = torch.randint(-8, 8, (32, 128), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
-    packed = native.pack_int4_tiled(codes)
-    assert packed.shape == (2, 2, 512) and packed.dtype == torch.uint8
+@pytest.mark.parametrize("bf16_scales", [True, False])
+def test_int4_tiled_packing_layout(bf16_scales):
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (32, 256), generator=g, dtype=torch.int8)
+    scale = torch.rand(32, 2, generator=g) + 0.5
+    if bf16_scales:  # a loaded checkpoint's scales: bf16 values, stored as bf16
+        scale = scale.to(torch.bfloat16).float()
+    zero = torch.randint(-8, 8, (32, 2), generator=g, dtype=torch.int8)
+    packed = native.pack_int4_tiled(codes, scale, zero, 128)
+    scale_bytes = 2 if bf16_scales else 4
+    assert packed.shape == (2, 2, 2 * 512 + 16 * scale_bytes + 16) and packed.dtype == torch.uint8
     u = codes.to(torch.int16) + 8
-    for t, b, q, n, i in ((0, 0, 0, 0, 0), (1, 1, 3, 5, 2), (0, 1, 7, 15, 3), (1, 0, 12, 9, 1)):
+    for t, b, q, n, i in ((0, 0, 0, 0, 0), (1, 1, 3, 5, 2), (0, 3, 7, 15, 3), (1, 2, 12, 9, 1)):
         row, col = 16 * t + n, 64 * b + 4 * q + i  # quad q of row n in block b: k = 64 b + 4 q + i
-        byte = int(packed[t, b, (q % 8) * 64 + n * 4 + i])
+        byte = int(packed[t, b // 2, (b % 2) * 512 + (q % 8) * 64 + n * 4 + i])  # group b // 2 holds blocks 2g, 2g+1
         assert (byte >> 4 if q >= 8 else byte & 15) == int(u[row, col])
+    header = packed[1, 1, 1024:]  # tile 1, group 1: its 16 rows' scales, then their offsets
+    stored = header[: 16 * scale_bytes].clone().view(torch.bfloat16 if bf16_scales else torch.float32).float()
+    assert torch.equal(stored, scale[16:, 1])
+    assert torch.equal(header[16 * scale_bytes:].to(torch.int16), zero[16:, 1].to(torch.int16) + 8)
 
 
 @pytest.mark.skipif(native.unavailable() is not None or native.isa() != "avx512+vnni",
                     reason="the tiled int4 GEMV needs an AVX-512 VNNI build")
-def test_int4_tiled_and_row_major_kernels_agree():
-    """The two layouts' kernels quantize the activations alike and sum exactly in int32: only fp32 order differs."""
-    weight = random_int_weight(48, 640, 4, 128, False, seed=9)
-    codes = weight.q
+@pytest.mark.parametrize("bf16_scales,symmetric,group", [(True, False, 128), (False, False, 64), (True, True, 64)])
+def test_int4_tiled_and_row_major_kernels_agree(bf16_scales, symmetric, group):
+    """The two layouts' kernels quantize the activations alike and sum exactly in int32: only fp32 order differs
+    (scales stored as bf16 only where that is exact)."""
+    weight = random_int_weight(48, 640, 4, group, symmetric, seed=9)
     scale = weight.scale.float()
-    zero = -weight.zero.float() * scale
+    if bf16_scales:
+        scale = scale.to(torch.bfloat16).float()
+    zero = torch.zeros_like(scale) if symmetric else -weight.zero.float() * scale
     x = torch.randn(5, 640, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    tiled = torch.ops.tokq_native.int4_gemv_tiled(x, native.pack_int4_tiled(codes), scale.t().contiguous(),
-                                                  (zero - 8 * scale).t().contiguous(), 128)
-    rows = torch.ops.tokq_native.int4_gemv(x, native.pack_int4(codes), scale.contiguous(), zero.contiguous(), 128)
-    assert relative_error(tiled, rows) < 1e-5
+    packed = native.pack_int4_tiled(weight.q, scale, weight.zero, group)
+    assert packed.shape[2] == (group // 64) * 512 + 16 * (2 if bf16_scales else 4) + 16
+    tiled = torch.ops.tokq_native.int4_gemv_tiled(x, packed, group)
+    rows = torch.ops.tokq_native.int4_gemv(x, native.pack_int4(weight.q), scale.contiguous(), zero.contiguous(), group)
+    err = relative_error(tiled, rows)
+    print(f"tiled vs row-major int4, {'bf16' if bf16_scales else 'fp32'} scales: max error {err:.2e} of max |y|")
+    assert err < 1e-5
+
+
+@pytest.mark.skipif(native.unavailable() is not None or native.isa() != "avx512+vnni",
+                    reason="the tiled int4 GEMV needs an AVX-512 VNNI build")
+def test_int4_tiled_refuses_a_unit_of_another_size():
+    packed = torch.zeros(2, 1, 512 + 16 * 3 + 16, dtype=torch.uint8)  # 3-byte "scales": neither layout
+    with pytest.raises(RuntimeError, match="neither bf16"):
+        torch.ops.tokq_native.int4_gemv_tiled(torch.zeros(1, 64, dtype=torch.bfloat16), packed, 64)
 
 
 def test_refusals_say_why(monkeypatch):

@@ -100,10 +100,11 @@ def run_native_int8(x: torch.Tensor, state: NativeInt8State, bias: torch.Tensor 
 
 @dataclass
 class NativeInt4State:
-    # row-major: uint8 [N, K/2] (gemv.cpp's int4_gemv); tiled: uint8 [N_pad / 16, K / 64, 512] (int4_gemv_tiled)
+    # row-major: uint8 [N, K/2] (gemv.cpp's int4_gemv); tiled: uint8 [N_pad / 16, G, unit] (int4_gemv_tiled, the
+    # scales and zero points inside each tile's units)
     packed: torch.Tensor
-    scale: torch.Tensor  # row-major: fp32 [N, G]; tiled: fp32 [G, N_pad], transposed
-    zero: torch.Tensor  # row-major: fp32 [N, G], -z * scale (0 when symmetric); tiled: fp32 [G, N_pad], zero - 8 scale
+    scale: torch.Tensor  # row-major: fp32 [N, G]; tiled: empty
+    zero: torch.Tensor  # row-major: fp32 [N, G], -z * scale (0 when symmetric); tiled: empty
     group_size: int
     n: int
     k: int
@@ -144,13 +145,16 @@ def prepare_native_int4(weight: IntWeight, p: LinearProblem) -> NativeInt4State:
     if not tiled_layout_fits(k, weight.group_size):
         return NativeInt4State(native.pack_int4(weight.q), scale.contiguous(), zero.contiguous(), weight.group_size,
                                n, k, weight)
-    codes = weight.q
+    codes, zero_codes = weight.q, weight.zero
     pad = (-n) % 16
-    if pad:  # padded rows: code 0, scale 0, zero 0 -> output 0, sliced off by _finish
+    if pad:  # padded rows: code 0, scale 0 -> output 0, sliced off by _finish
         codes = torch.cat([codes, codes.new_zeros(pad, k)])
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-    return NativeInt4State(native.pack_int4_tiled(codes), scale.t().contiguous(), (zero - 8 * scale).t().contiguous(),
+        if zero_codes is not None:
+            zero_codes = torch.cat([zero_codes, zero_codes.new_zeros(pad, zero_codes.shape[1])])
+    # the scales travel inside the tiles (no separate arrays): empty placeholders keep the state's shape
+    empty = torch.empty(0)
+    return NativeInt4State(native.pack_int4_tiled(codes, scale, zero_codes, weight.group_size), empty, empty,
                            weight.group_size, n, k, weight, tiled=True)
 
 
@@ -159,7 +163,7 @@ def run_native_int4(x: torch.Tensor, state: NativeInt4State, bias: torch.Tensor 
     if rows.shape[0] > NATIVE_INT4_MAX_M:
         y = F.linear(rows.to(torch.bfloat16), dequantize_bf16(state.weight))
     elif state.tiled:
-        y = torch.ops.tokq_native.int4_gemv_tiled(rows, state.packed, state.scale, state.zero, state.group_size)
+        y = torch.ops.tokq_native.int4_gemv_tiled(rows, state.packed, state.group_size)
     else:
         y = torch.ops.tokq_native.int4_gemv(rows, state.packed, state.scale, state.zero, state.group_size)
     return _finish(y, x, state.n, bias)

@@ -142,7 +142,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("tokq_native::int4_gemv_tiled")
-    def _int4_tiled(x, packed, scale_t, zb_t, group):
+    def _int4_tiled(x, packed, group):
         return x.new_empty((x.shape[0], packed.shape[0] * 16), dtype=torch.float32)
 
     @torch.library.register_fake("tokq_native::int8_gemv")
@@ -176,11 +176,24 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
 
 
-def pack_int4_tiled(codes: torch.Tensor) -> torch.Tensor:
-    """Signed int4 codes [N, K] (-8..7, 16 | N, 64 | K) -> gemv.cpp's tiled bytes [N / 16, K / 64, 512]: per tile of 16
-    rows and block of 64 k, quad q (k = 64 b + 4 q + i) of row n at [q % 8][n][i], q < 8 in the low nibble, q >= 8
-    in the high one, u = code + 8."""
+def pack_int4_tiled(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """Signed int4 codes [N, K] (-8..7, 16 | N, 64 | group | K), scales fp32 [N, G] and signed zero codes [N, G]
+    (None: symmetric) -> gemv.cpp's tiled bytes [N / 16, G, unit]: per tile of 16 rows and weight group, the group's
+    blocks of 64 k (512 bytes each: quad q (k = 64 b + 4 q + i) of row n at [q % 8][n][i], q < 8 in the low nibble,
+    q >= 8 in the high one, u = code + 8), then the 16 rows' scales (bf16 when every scale is a bf16 value, else
+    fp32), then their offsets zero + 8 (uint8). Dequantized: W = (u - offset) * scale."""
     n, k = codes.shape
+    groups = k // group_size
     u = (codes.to(torch.int16) + 8).to(torch.uint8).view(n // 16, 16, k // 64, 16, 4)  # [t, n, b, q, i]
     u = u.permute(0, 2, 3, 1, 4)  # [t, b, q, n, i]
-    return (u[:, :, :8] | (u[:, :, 8:] << 4)).reshape(n // 16, k // 64, 512).contiguous()
+    blocks = (u[:, :, :8] | (u[:, :, 8:] << 4)).reshape(n // 16, groups, (group_size // 64) * 512)
+    scale = scale.float()
+    as_bf16 = scale.to(torch.bfloat16)
+    stored = as_bf16 if torch.equal(as_bf16.float(), scale) else scale  # bf16 only where that is exact
+    scale_bytes = stored.view(n // 16, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    offsets = torch.full((n, groups), 8, dtype=torch.int16) if zero is None else zero.to(torch.int16) + 8
+    if int(offsets.min()) < 0 or int(offsets.max()) > 255:
+        raise ValueError("pack_int4_tiled: zero points must lie in [-8, 247]")
+    offset_bytes = offsets.to(torch.uint8).view(n // 16, 16, groups).transpose(1, 2)
+    return torch.cat([blocks, scale_bytes.view(n // 16, groups, -1), offset_bytes], dim=2).contiguous()

@@ -24,8 +24,7 @@
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
                      int64_t group);
-at::Tensor int4_gemv_tiled(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_t,
-                           const at::Tensor& zb_t, int64_t group);
+at::Tensor int4_gemv_tiled(const at::Tensor& x, const at::Tensor& packed, int64_t group);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& qu, const at::Tensor& scale);
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w);
 at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -42,7 +41,7 @@ using bf16 = c10::BFloat16;
 // native_linear.py): int4 weights dequantized to bf16 for a dense GEMM, int8 weights through aten's int8pack op.
 enum LinearKind : int64_t {
   DENSE_BF16 = 0,  // a: weight bf16 [N, K] (bf16_gemv hands more than 2 rows to at::linear itself)
-  INT4_TILED = 1,  // a: packed [N/16, K/64, 512], b: scale_t, c: zb_t (fp32 [G, N_pad])
+  INT4_TILED = 1,  // a: packed [N_pad/16, G, unit] (gemv.cpp's tiled layout, scales inside), b, c: empty
   INT4_ROWS = 2,   // a: packed [N, K/2], b: scale, c: zero (fp32 [N, G])
   INT8 = 3,        // a: q int8 [N, K], b: q + 128 uint8 (VNNI builds) or empty, c: scale fp32 [N]; dq_scale bf16 [N]
   ATEN_INT4 = 4,   // a: aten int4pack [N_pad, K/2], b: scales_and_zeros bf16 [G, N_pad, 2]
@@ -125,7 +124,7 @@ struct NativeLinear {
     at::Tensor y;
     switch (kind) {
       case DENSE_BF16: y = bf16_gemv(in, a); break;
-      case INT4_TILED: y = fits ? int4_gemv_tiled(xin, a, b, c, group) : at::linear(in, dequantized()); break;
+      case INT4_TILED: y = fits ? int4_gemv_tiled(xin, a, group) : at::linear(in, dequantized()); break;
       case INT4_ROWS: y = fits ? int4_gemv(xin, a, b, c, group) : at::linear(in, dequantized()); break;
       case INT8: y = fits ? int8_gemv(xin, a, b, c) : at::_weight_int8pack_mm(in, a, dq_scale); break;
       case ATEN_INT4: y = fits ? at::_weight_int4pack_mm_for_cpu(in, a, group, b) : at::linear(in, dequantized()); break;
