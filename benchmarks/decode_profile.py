@@ -29,16 +29,21 @@ TOP_OPS = 12
 
 
 def build(model_name: str, config: str):
+    from vs_llamacpp import as_saved  # the int4 build as a user runs it: written and loaded back
+
     from tokq.engine.checkpoint import load_model
     from tokq.quantization.lm_head import quantize_lm_head_
     from tokq.quantization.pipeline import quantize_model
     from tokq.quantization.scheme import preset
     from tokq.zoo import resolve_model
 
-    model = load_model(resolve_model(model_name), dtype=torch.bfloat16)
+    path = resolve_model(model_name)
+    model = load_model(path, dtype=torch.bfloat16)
     if config == "int4+int8head":
-        quantize_model(model, "rtn", preset("w4a16").with_weights(group_size=64))
+        scheme = preset("w4a16").with_weights(group_size=64)
+        quantize_model(model, "rtn", scheme)
         quantize_lm_head_(model, "int8")
+        model = as_saved(model, scheme, path)
     return model
 
 

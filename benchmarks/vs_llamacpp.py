@@ -179,8 +179,20 @@ def cpu_tag(facts: dict) -> str:
 
 # tokq side -----------------------------------------------------------------------------------------------
 
+def as_saved(model: torch.nn.Module, scheme, source: Path) -> torch.nn.Module:
+    """A quantized model as a user runs it: written as a checkpoint (`tokq quantize`'s format; scales in the
+    checkpoint's bf16) and loaded back, under the caller's TOKQ_KERNELS."""
+    from tokq.engine.checkpoint import load_model
+    from tokq.quantization.formats.compressed_tensors import save_quantized
+
+    with tempfile.TemporaryDirectory(prefix="tokq-bench-") as tmp:
+        out = save_quantized(model, scheme, Path(tmp) / "model", source_dir=source)
+        return load_model(out, dtype=torch.bfloat16)
+
+
 def tokq_models(model_name: str):
-    """The models measured, each built with its own kernel selection (TOKQ_KERNELS while its layers are prepared)."""
+    """The models measured, each built with its own kernel selection (TOKQ_KERNELS while its layers are prepared);
+    the quantized ones written and loaded back as a checkpoint (as_saved)."""
     from tokq.engine.checkpoint import load_model
     from tokq.quantization.lm_head import quantize_lm_head_
     from tokq.quantization.pipeline import quantize_model
@@ -188,6 +200,7 @@ def tokq_models(model_name: str):
     from tokq.zoo import resolve_model
 
     path = resolve_model(model_name)
+    scheme = preset("w4a16").with_weights(group_size=64)
 
     def build(int4: bool, head: bool, kernels: str = "") -> torch.nn.Module:
         saved = os.environ.get("TOKQ_KERNELS")
@@ -195,9 +208,11 @@ def tokq_models(model_name: str):
         try:
             model = load_model(path, dtype=torch.bfloat16)
             if int4:
-                quantize_model(model, "rtn", preset("w4a16").with_weights(group_size=64))
+                quantize_model(model, "rtn", scheme)
             if head:
                 quantize_lm_head_(model, "int8")
+            if int4:
+                model = as_saved(model, scheme, path)
         finally:
             os.environ.pop("TOKQ_KERNELS") if saved is None else os.environ.__setitem__("TOKQ_KERNELS", saved)
         return model
