@@ -94,24 +94,6 @@ def test_int4_packing_layout():
     assert int(packed[0, 16]) == int(u[0, 32]) | int(u[0, 48]) << 4  # chunk 1, byte 0: elements 32 and 48
 
 
-def test_int8_tiled_packing_layout():
-    codes = torch.randint(-128, 128, (32, 128), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
-    packed = native.pack_int8_tiled(codes)
-    assert packed.shape == (2, 2, 1024) and packed.dtype == torch.uint8
-    for t, b, q, n, i in ((0, 0, 0, 0, 0), (1, 1, 3, 5, 2), (0, 1, 15, 15, 3), (1, 0, 12, 9, 1)):
-        row, col = 16 * t + n, 64 * b + 4 * q + i
-        assert int(packed[t, b, q * 64 + n * 4 + i]) == int(codes[row, col]) + 128
-
-
-@pytest.mark.parametrize("n", [128, 77])
-def test_int8_head_layout_by_build(n):
-    """AVX-512 VNNI builds tile the codes where 16 divides N; other VNNI builds keep them row-major."""
-    state = prepare_linear_kernel(random_int_weight(n, 128, 8, 128, True, seed=2), None, torch.bfloat16,
-                                  "cpu_native_int8").state
-    tiled = native.isa() == "avx512+vnni" and n % 16 == 0
-    assert state.unsigned.dim() == (3 if tiled else 2 if native.wants_unsigned_int8() else 1)
-
-
 @pytest.mark.parametrize("bf16_scales", [True, False])
 def test_int4_tiled_packing_layout(bf16_scales):
     g = torch.Generator().manual_seed(0)

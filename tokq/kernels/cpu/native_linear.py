@@ -53,9 +53,7 @@ def _native_common(p: LinearProblem) -> str | None:
 @dataclass
 class NativeInt8State:
     q: torch.Tensor  # int8 [N, K]: the layer's own codes (no copy)
-    # q + 128 as uint8 on VNNI builds (what the kernel reads): tiled [N / 16, K / 64, 1024] on AVX-512 VNNI with
-    # 16 | N (pack_int8_tiled), else row-major [N, K]; empty elsewhere
-    unsigned: torch.Tensor
+    unsigned: torch.Tensor  # uint8 [N, K] = q + 128 on VNNI builds (what the kernel reads), else empty
     scale: torch.Tensor  # fp32 [N]
     scale_bf16: torch.Tensor  # bf16 [N], for aten._weight_int8pack_mm above NATIVE_MAX_M rows
     n: int
@@ -81,17 +79,10 @@ def native_int8_not_preferred(p: LinearProblem) -> str | None:
 
 
 def prepare_native_int8(weight: IntWeight, p: LinearProblem) -> NativeInt8State:
-    """On AVX-512 VNNI builds with N a multiple of 16, the codes + 128 in tiles of 16 rows (one stream per tile:
-    1.45-1.7 ms against 2.3-2.5 ms row-major on SmolLM2's head at 1 thread, EPYC Zen 4); other VNNI builds row-major
-    codes + 128; elsewhere the signed codes alone."""
     q = weight.q.contiguous()
     n, k = q.shape
-    if native.isa() == "avx512+vnni" and n % 16 == 0:
-        unsigned = native.pack_int8_tiled(q)
-    elif native.wants_unsigned_int8():
-        unsigned = (q.to(torch.int16) + 128).to(torch.uint8)
-    else:
-        unsigned = torch.empty(0, dtype=torch.uint8)
+    unsigned = ((q.to(torch.int16) + 128).to(torch.uint8) if native.wants_unsigned_int8()
+                else torch.empty(0, dtype=torch.uint8))
     scale = weight.scale.reshape(n).float().contiguous()
     return NativeInt8State(q, unsigned, scale, scale.to(torch.bfloat16), n, k)
 

@@ -176,14 +176,6 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
 
 
-def pack_int8_tiled(codes: torch.Tensor) -> torch.Tensor:
-    """Signed int8 codes [N, K] (16 | N, 64 | K) -> gemv.cpp's tiled int8 bytes [N / 16, K / 64, 1024]: per tile of
-    16 rows and block of 64 k, byte q * 64 + n * 4 + i holds code + 128 of row n at k = 64 b + 4 q + i."""
-    n, k = codes.shape
-    u = (codes.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, k // 64, 16, 4)  # [t, n, b, q, i]
-    return u.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 64, 1024).contiguous()
-
-
 def pack_int4_tiled(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     group_size: int) -> torch.Tensor:
     """Signed int4 codes [N, K] (-8..7, 16 | N, 64 | group | K), scales fp32 [N, G] and signed zero codes [N, G]

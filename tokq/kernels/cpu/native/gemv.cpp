@@ -590,78 +590,8 @@ at::Tensor int4_gemv_tiled(const at::Tensor& x, const at::Tensor& packed, int64_
 #endif
 }
 
-#if defined(TOKQ_VNNI512)
-// ---- int8, tiled for VNNI (AVX-512): the output layer's codes on AVX-512 VNNI builds (pack_int8_tiled) -----------
-// N in tiles of 16 rows, K in blocks of 64; per (tile, block) 1024 bytes: 16 quads q of 4 consecutive k
-// (k = 64 b + 4 q + i) for 16 rows n, byte q * 64 + n * 4 + i = code + 128. A tile is one contiguous stream (the
-// row-major codes read four rows side by side made four short streams): on SmolLM2's LM head (49152 x 576, from
-// memory) 1.45-1.70 ms against 2.29-2.49 ms on one EPYC (Zen 4) thread. Vertical vpdpbusd as in the int4 tiles.
-namespace {
-
-constexpr int64_t INT8_TILE_BYTES = 1024;
-constexpr int64_t INT8_PREFETCH_BYTES = 4096;
-
-template <int MB>
-inline void int8_tile_vnni512(const uint8_t* tile, int64_t KB, const QuantRow* const* xr, float* const* out,
-                              const float* scale) {
-  __m512 f[MB];
-  for (int m = 0; m < MB; ++m) f[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* wb = tile + b * INT8_TILE_BYTES;
-    __m512i w[16];
-    for (int j = 0; j < 16; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + INT8_PREFETCH_BYTES + j * 64), _MM_HINT_T0);
-      w[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(wb + j * 64));
-    }
-    for (int m = 0; m < MB; ++m) {
-      const int32_t* x32 = reinterpret_cast<const int32_t*>(xr[m]->q.data() + b * 64);
-      __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int q = 0; q < 16; ++q) a[q % 4] = _mm512_dpbusd_epi32(a[q % 4], w[q], _mm512_set1_epi32(x32[q]));
-      const __m512i d = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
-      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xr[m]->scale[b]), f[m]);
-    }
-  }
-  const __m512 s = _mm512_loadu_ps(scale);
-  for (int m = 0; m < MB; ++m)  // group_sum[0]: the row's sum_b scaled_sum_b, for the codes' +128
-    _mm512_storeu_ps(out[m], _mm512_mul_ps(s, _mm512_sub_ps(f[m], _mm512_set1_ps(128.f * xr[m]->group_sum[0]))));
-}
-
-void int8_tiles(const uint8_t* wp, int64_t N, int64_t K, const std::vector<QuantRow>& rows, const float* sp,
-                float* yp) {
-  const int64_t M = static_cast<int64_t>(rows.size()), KB = K / 64;
-  constexpr int64_t MBLOCK = 8;
-  at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = wp + t * KB * INT8_TILE_BYTES;
-      for (int64_t m0 = 0; m0 < M; m0 += MBLOCK) {
-        const int64_t mb = std::min(MBLOCK, M - m0);
-        const QuantRow* xr[MBLOCK];
-        float* outs[MBLOCK];
-        for (int64_t m = 0; m < MBLOCK; ++m) {
-          xr[m] = &rows[std::min(m0 + m, M - 1)];
-          outs[m] = yp + std::min(m0 + m, M - 1) * N + t * 16;
-        }
-        const float* st = sp + t * 16;
-        switch (mb) {
-          case 8: int8_tile_vnni512<8>(tile, KB, xr, outs, st); break;
-          case 7: int8_tile_vnni512<7>(tile, KB, xr, outs, st); break;
-          case 6: int8_tile_vnni512<6>(tile, KB, xr, outs, st); break;
-          case 5: int8_tile_vnni512<5>(tile, KB, xr, outs, st); break;
-          case 4: int8_tile_vnni512<4>(tile, KB, xr, outs, st); break;
-          case 3: int8_tile_vnni512<3>(tile, KB, xr, outs, st); break;
-          case 2: int8_tile_vnni512<2>(tile, KB, xr, outs, st); break;
-          default: int8_tile_vnni512<1>(tile, KB, xr, outs, st); break;
-        }
-      }
-    }
-  });
-}
-
-}  // namespace
-#endif
-
-// y [M, N] fp32 = x [M, K] @ (q * scale[:, None])^T; q int8 [N, K]; qu: on VNNI builds the codes + 128 as uint8,
-// row-major [N, K] or (AVX-512 VNNI, 16 | N) tiled [N / 16, K / 64, 1024] as above; elsewhere it may be empty.
+// y [M, N] fp32 = x [M, K] @ (q * scale[:, None])^T; q int8 [N, K]; qu uint8 [N, K] (q + 128) on VNNI builds, else
+// may be empty.
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& qu, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1) && q.size(1) % 64 == 0,
               "tokq_native::int8_gemv: x [M, K], q [N, K], 64 | K");
@@ -675,16 +605,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M == 0 || N == 0) return y;
-  if (qu.dim() == 3) {
-#if defined(TOKQ_VNNI512)
-    TORCH_CHECK(N % 16 == 0 && qu.size(0) * 16 == N && qu.size(1) * 64 == K && qu.size(2) == 1024 &&
-                    qu.is_contiguous(), "tokq_native::int8_gemv: tiled codes must be [N / 16, K / 64, 1024]");
-    int8_tiles(up, N, K, rows, sp, yp);
-    return y;
-#else
-    TORCH_CHECK(false, "tokq_native::int8_gemv: tiled codes need an AVX-512 VNNI build (this one: ", isa(), ")");
-#endif
-  }
 #if defined(TOKQ_VNNI512)
   if (up != nullptr) {  // four weight rows at a time, each load shared by up to four activation rows
     const int64_t quads = N / 4;
@@ -793,57 +713,13 @@ inline void bf16_rows4(const uint16_t* w, int64_t K, const uint16_t* xb, const f
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-// On AVX-512 BF16 builds the weights are read one row at a time instead, as the single stream they lie in (a row of
-// SmolLM2 is 1152 bytes): the hardware's stream prefetch follows it, helped by a software prefetch
-// BF16_ROW_PREFETCH_BYTES ahead into L1. Measured on a 2-core EPYC (Zen 4), 1 thread, one sweep of SmolLM2-135M's
-// 120 decoder GEMVs through more than L3 (median of 9, two rounds): 21.2-25.4 GB/s against 15.5-17.9 for four rows
-// side by side (bf16_rows4); prefetching into L2 as well, or 1 KB / 4 KB ahead, was slower.
-constexpr int64_t BF16_ROW_PREFETCH_BYTES = 2048;
-
-// One bf16 row against M (<= BF16_GEMV_MAX_M) activation rows, each weight load used by all of them.
-template <int M>
-inline void bf16_row(const uint16_t* w, int64_t K, const uint16_t* xb, float* out) {
-  __m512 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const char* line = reinterpret_cast<const char*>(w + k);
-    _mm_prefetch(line + BF16_ROW_PREFETCH_BYTES, _MM_HINT_T0);
-    _mm_prefetch(line + BF16_ROW_PREFETCH_BYTES + 64, _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k + 32));
-    for (int m = 0; m < M; ++m) {
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32));
-    }
-  }
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
-    for (int m = 0; m < M; ++m)
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
-  }
-  for (int m = 0; m < M; ++m) {
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
-    for (int64_t kk = k; kk < K; ++kk) {
-      const uint32_t wb = static_cast<uint32_t>(w[kk]) << 16, xbits = static_cast<uint32_t>(xb[m * K + kk]) << 16;
-      float wf, xf;
-      std::memcpy(&wf, &wb, sizeof(float));
-      std::memcpy(&xf, &xbits, sizeof(float));
-      s += wf * xf;
-    }
-    out[m] = s;
-  }
-}
-#endif
-
 }  // namespace
 
 // Rows up to which bf16_gemv runs its own loop; above, at::linear. Measured on a 2-core Xeon (AVX512-BF16, 1 thread,
 // best of 6, weights cycled through L3): SmolLM2's qkv [960, 576] 45 / 98 / 145 us at M = 1 / 2 / 4 against 102 /
 // 154 / 153 us for F.linear, gate_up [3072, 576] 314 / 479 / 658 against 438 / 583 / 652, the tied LM head
 // [49152, 576] 7.6 / 7.1 / 8.8 ms against 10.1 / 7.0 / 7.3 ms; at M = 16 F.linear is 2.5-3x faster.
-constexpr int64_t BF16_GEMV_MAX_M = 2;  // bf16_row's template takes 1 or 2
+constexpr int64_t BF16_GEMV_MAX_M = 2;
 
 // y [M, N] bf16 = x [M, K] bf16 @ w [N, K]^T bf16, fp32 accumulation; the weights read once per call. More than
 // BF16_GEMV_MAX_M rows: at::linear, so that one compiled graph serves every batch size.
@@ -858,17 +734,6 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    float out[BF16_GEMV_MAX_M];
-    for (int64_t n = begin; n < end; ++n) {
-      if (M == 2) bf16_row<2>(wp + n * K, K, xp, out);
-      else bf16_row<1>(wp + n * K, K, xp, out);
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = at::BFloat16(out[m]);
-    }
-  });
-  return y;
-#endif
   std::vector<float> xf(M * K);
   bf16_to_float(xp, xf.data(), M * K);
   const int64_t quads = (N + 3) / 4;
