@@ -21,8 +21,8 @@ Sides:
   graph; `native` (the default, "after"): each decode step one C++ call (engine/native_step.py), the int4 layers
   on the kernel the registry picks for this CPU (tokq's native int4 GEMV on AVX-512 VNNI) and the int8 LM head
   (quantization/lm_head.py, run by the native int8 GEMV); "int4aten+int8head": the same with aten's int4 op.
-  int4 is RTN w4a16 g64 made in memory: the same kernel, shapes and bytes as an AWQ or GPTQ g64 build (their
-  rounding differs, their speed does not).
+  int4 is RTN w4a16 g64, written as a checkpoint and loaded back as a user runs it (scales in bf16): the same
+  kernel, shapes and bytes as an AWQ or GPTQ g64 build (their rounding differs, their speed does not).
 - Batched (`--batch`, default 16): that many distinct prompts (windows 256 tokens apart, so no shared prefix) decoded
   together at the largest thread count, aggregate decode tok/s timed once every prefill is done: tokq through its
   engine (continuous batching, native steps), llama.cpp through its batch API (one sequence id per prompt, one
@@ -617,8 +617,8 @@ def main() -> None:
             "tokq bf16 native vs llama.cpp F16": agree(f"tokq bf16 native @{t0}t", f"llama.cpp F16 @{t0}t"),
             "of": args.new},
         "ggufs": {k: v.name for k, v in ggufs.items()},
-        "notes": "int4 = RTN w4a16 g64 in memory (same kernel and bytes as AWQ/GPTQ g64). Decode tok/s excludes "
-                 "prefill. bytes_per_token = weights at stored size + the KV cache at the mean context; "
+        "notes": "int4 = RTN w4a16 g64, written and loaded back as a checkpoint (same kernel and bytes as AWQ/GPTQ "
+                 "g64). Decode tok/s excludes prefill. bytes_per_token = weights at stored size + the KV cache at the mean context; "
                  "roofline_fraction = tok/s x bytes_per_token / copy bandwidth (read+write counted, at the largest thread "
                  "count, the larger of the medians measured before and after the runs) of the same run.",
     }
