@@ -345,7 +345,8 @@ class LLMEngine:
                 sample_rows.append(query_start[i + 1] - 1)
                 samplers.append(seq)
         if samplers:
-            logits = self.runner.logits(hidden[sample_rows])
+            # every row, in order (a decode step): the hidden states as they are, not a gathered copy
+            logits = self.runner.logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows])
             tokens, errors = _sample_isolated(logits, samplers)
             now = time.perf_counter()
             for seq, error in zip(samplers, errors, strict=True):

@@ -158,8 +158,10 @@ def sample(
         raise SamplingError(f"generators has {len(generators)} entries: must match params ({len(params)})")
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise SamplingError(f"logits shape {tuple(logits.shape)}: must be [B, V] with B = {len(params)} params")
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy_rows) == len(params):  # every row greedy (most decode steps): no row gathered or scattered
+        return logits.argmax(dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if greedy_rows:
         # Argmax of the raw logits is the argmax of any temperature's softmax: no need to normalize.
