@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tokq.dtypes import kv_dtype_of
+from tokq.engine import huge_pages
 from tokq.engine.config import ModelConfig
 from tokq.errors import ConfigError
 
@@ -155,12 +156,12 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int | Sequence[int],
     counts = [num_blocks] * spec.num_layers if isinstance(num_blocks, int) else list(num_blocks)
     if len(counts) != spec.num_layers:
         raise ValueError(f"{len(counts)} block counts for {spec.num_layers} layers")
-    caches = []
-    for n in counts:
-        shape = (n, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        caches.append((torch.zeros(shape, dtype=spec.dtype, device=device),
-                       torch.zeros(shape, dtype=spec.dtype, device=device)))
-    return caches
+    shapes = [(n, spec.block_size, spec.num_kv_heads, spec.head_dim) for n in counts]
+    if torch.device(device).type == "cpu":  # one arena on huge pages: a step's scattered block reads walk fewer pages
+        tensors = huge_pages.zeros_many([shape for shape in shapes for _ in (0, 1)], spec.dtype)
+        return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(shapes))]
+    return [(torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for shape in shapes]
 
 
 def format_bytes(n: float) -> str:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokq.engine import huge_pages
 from tokq.engine.block_manager import BlockManager, WasteMeter, blocks_held_at_most
 from tokq.engine.kv_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -195,6 +196,8 @@ class LLMEngine:
         for group, n in zip(self.layer_groups, self.group_blocks, strict=True):
             for layer in group.layers:
                 blocks_of_layer[layer] = n
+        if model.device.type == "cpu":  # the weights decode streams, gathered onto huge pages (once per model)
+            huge_pages.gather_streamed_weights(model)
         self.caches = allocate_kv_cache(self.kv_spec, blocks_of_layer, model.device)
         self.blocks = KVPools([BlockManager(n, cfg.block_size, cfg.enable_prefix_caching, i, g.window)
                                for i, (g, n) in enumerate(zip(self.layer_groups, self.group_blocks, strict=True))])

@@ -90,8 +90,9 @@ def _finish(y: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None)
 
 @dataclass
 class Int4PackState:
-    packed: torch.Tensor  # uint8 [N_pad, K/2], the op's own layout
-    scales_and_zeros: torch.Tensor  # bf16 [K/group_size, N_pad, 2]
+    # the op's own layouts, streamed by decode steps (the engine moves them onto huge pages: engine/huge_pages.py)
+    packed: torch.Tensor = field(metadata={"streamed": True})  # uint8 [N_pad, K/2]
+    scales_and_zeros: torch.Tensor = field(metadata={"streamed": True})  # bf16 [K/group_size, N_pad, 2]
     group_size: int
     n: int
     k: int

@@ -53,7 +53,8 @@ def _native_common(p: LinearProblem) -> str | None:
 @dataclass
 class NativeInt8State:
     q: torch.Tensor  # int8 [N, K]: the layer's own codes (no copy)
-    unsigned: torch.Tensor  # uint8 [N, K] = q + 128 on VNNI builds (what the kernel reads), else empty
+    # uint8 [N, K] = q + 128 on VNNI builds (what the kernel reads, streamed), else empty
+    unsigned: torch.Tensor = field(metadata={"streamed": True})
     scale: torch.Tensor  # fp32 [N]
     scale_bf16: torch.Tensor  # bf16 [N], for aten._weight_int8pack_mm above NATIVE_MAX_M rows
     n: int
@@ -102,7 +103,8 @@ def run_native_int8(x: torch.Tensor, state: NativeInt8State, bias: torch.Tensor 
 class NativeInt4State:
     # row-major: uint8 [N, K/2] (gemv.cpp's int4_gemv); tiled: uint8 [N_pad / 16, G, unit] (int4_gemv_tiled, the
     # scales and zero points inside each tile's units)
-    packed: torch.Tensor
+    # (streamed: the engine moves it onto huge pages with the other weights a decode step reads, engine/huge_pages.py)
+    packed: torch.Tensor = field(metadata={"streamed": True})
     scale: torch.Tensor  # row-major: fp32 [N, G]; tiled: empty
     zero: torch.Tensor  # row-major: fp32 [N, G], -z * scale (0 when symmetric); tiled: empty
     group_size: int
