@@ -54,7 +54,7 @@ PATHS = {"native step": "1", "compiled graph": "0"}  # TOKQ_NATIVE_STEP
 def profile_step(model, threads: int, steps: int, path: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from tokq.engine import native_step
+    from tokq.engine import huge_pages, native_step
     from tokq.engine.llm_engine import EngineConfig, LLMEngine
     from tokq.engine.sampling import SamplingParams
 
@@ -80,7 +80,8 @@ def profile_step(model, threads: int, steps: int, path: str) -> dict:
     ops = sorted(((e.self_cpu_time_total / steps / 1e6, e.key, e.count / steps) for e in prof.key_averages()),
                  reverse=True)
     kernels = sum(t for t, key, _ in ops if key.startswith(KERNEL_PREFIXES))
-    return {"threads": threads, "step_ms_median": times[len(times) // 2] * 1e3, "step_ms_min": times[0] * 1e3,
+    return {"threads": threads, "huge_page_bytes": huge_pages.huge_page_bytes(),  # engine/huge_pages.py
+            "step_ms_median": times[len(times) // 2] * 1e3, "step_ms_min": times[0] * 1e3,
             "step_ms_max": times[-1] * 1e3, "profiled_step_ms": wall * 1e3,
             "kernels_share": kernels / wall, "outside_kernels_share": 1 - kernels / wall,
             "ops": [{"op": key[:90], "ms_per_step": t * 1e3, "share": t / wall, "calls_per_step": calls}

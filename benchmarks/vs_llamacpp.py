@@ -599,11 +599,15 @@ def main() -> None:
         x, y = tokens[a], tokens[b]
         return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
 
+    from tokq.engine import huge_pages
+
     t0 = threads[0]
     result = {
         "benchmark": "vs_llamacpp", "model": args.model, "tokq_version": __version__, "torch": torch.__version__,
         "python": platform.python_version(), "cpu": cpu_facts(), "llama_cpp_system_info": system_info,
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        # tokq's decode memory on 2 MiB pages at the end (engine/huge_pages.py; TOKQ_HUGE_PAGES=0: none)
+        "huge_page_bytes": huge_pages.huge_page_bytes(),
         "prompt_tokens": len(prompt), "new_tokens": args.new, "repeats": args.repeats, "threads": threads,
         "copy_bandwidth": bandwidth, "compile_seconds_first_call": compile_seconds,
         "decode_tok_s": table, "batched_decode_tok_s": {k: summary(v) for k, v in batched.items()},
