@@ -6,7 +6,7 @@ every page edge. Measured on a 2-core EPYC (Zen 4) VM, 1 thread: a plain 64 MiB 
 (1.16-2.11x over 15 interleaved rounds), the tiled int4 GEMV's stream 1.22x (1.08-1.57x). torch's allocator gives
 huge pages only to single allocations of 2 MiB and more, and only when THP_MEM_ALLOC_ENABLE is set before torch is
 imported; a layer's packed weight is smaller than that. So the engine gathers the weights its decode kernels stream
-(each kernel state's fields marked STREAMED) into one arena, in the order the step reads them, and allocates its KV
+(each kernel state's fields marked "streamed") into one arena, in the order the step reads them, and allocates its KV
 caches the same way: private anonymous memory advised MADV_HUGEPAGE, whatever the process's import order.
 
 `TOKQ_HUGE_PAGES=0` turns it off; elsewhere than Linux it is off. The kernel may still back an arena with small
@@ -27,9 +27,9 @@ import torch
 HUGE_PAGE = 2 << 20
 ENV = "TOKQ_HUGE_PAGES"
 ALIGN = 64  # each gathered tensor starts on a cache line
-# Dataclass field metadata on a kernel state's tensors that its decode kernel streams and that the state owns (a
-# prepared copy, not the layer's own parameter): what gather_streamed_weights moves.
-STREAMED = {"streamed": True}
+# The dataclass field metadata key ({"streamed": True}) on a kernel state's tensors that its decode kernel streams and
+# that the state owns (a prepared copy, not the layer's own parameter): what gather_streamed_weights moves.
+STREAMED = "streamed"
 _GATHERED = "_tokq_huge_pages"  # set on a model once its weights are gathered
 
 
@@ -77,7 +77,7 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def gather_streamed_weights(model: torch.nn.Module) -> int:
-    """Move the tensors every CPU Linear's kernel streams in decode (its kernel state's STREAMED fields) into one
+    """Move the tensors every CPU Linear's kernel streams in decode (its kernel state's fields marked STREAMED) into one
     huge-page arena, in module order (the order a decode step reads them); returns the bytes moved. Once per model:
     engines that share a model share its arena."""
     if not enabled() or getattr(model, _GATHERED, False):
@@ -89,7 +89,7 @@ def gather_streamed_weights(model: torch.nn.Module) -> int:
             continue
         for f in dataclasses.fields(state):
             value = getattr(state, f.name)
-            if (f.metadata.get("streamed") and isinstance(value, torch.Tensor) and value.device.type == "cpu"
+            if (f.metadata.get(STREAMED) and isinstance(value, torch.Tensor) and value.device.type == "cpu"
                     and value.numel() and value.is_contiguous()):
                 owners.append((state, f.name, value))
     if owners:
