@@ -9,6 +9,7 @@ import torch
 from tests.test_native_step import bf16_checkpoint
 from tokq.engine import huge_pages
 from tokq.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from tokq.engine.layers import Linear
 from tokq.engine.llm_engine import EngineConfig, LLMEngine
 from tokq.engine.quant_linear import QuantizedLinearMethod
 from tokq.engine.sampling import SamplingParams
@@ -55,11 +56,14 @@ def int4_model(tmp_path):
 
 
 def streamed(model) -> list[torch.Tensor]:
+    """What a decode step streams: quantized layers' packed layouts, dense layers' weights."""
     out = []
     for m in model.modules():
         if isinstance(getattr(m, "method", None), QuantizedLinearMethod):
             state = m.method.kernel.state
             out += [getattr(state, name) for name in ("packed", "unsigned", "scales_and_zeros") if hasattr(state, name)]
+        elif isinstance(m, Linear):
+            out.append(m.weight.data)
     return [t for t in out if t.numel()]
 
 
@@ -80,6 +84,23 @@ def test_streamed_weights_move_once_in_module_order_and_compute_the_same(tmp_pat
         after = model.compute_logits(model(ids, positions)[0])
     assert torch.equal(before, after)
     assert huge_pages.gather_streamed_weights(model) == 0  # a second engine on the same model shares the arena
+
+
+@needs_linux
+def test_dense_weights_move_and_a_tied_head_stays_tied(tmp_path):
+    model = bf16_checkpoint(tmp_path, "llama-tied-bias")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(9).view(1, -1)
+    with torch.inference_mode():
+        before = model.compute_logits(model(ids, positions)[0])
+    old = [t.data_ptr() for t in streamed(model)]
+    assert huge_pages.gather_streamed_weights(model) == sum(t.nbytes for t in streamed(model)) > 0
+    assert not set(old) & {t.data_ptr() for t in streamed(model)}
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # one Parameter, moved once
+    with torch.inference_mode():
+        after = model.compute_logits(model(ids, positions)[0])
+    assert torch.equal(before, after)
 
 
 @needs_linux

@@ -6,7 +6,7 @@ every page edge. Measured on a 2-core EPYC (Zen 4) VM, 1 thread: a plain 64 MiB 
 (1.16-2.11x over 15 interleaved rounds), the tiled int4 GEMV's stream 1.22x (1.08-1.57x). torch's allocator gives
 huge pages only to single allocations of 2 MiB and more, and only when THP_MEM_ALLOC_ENABLE is set before torch is
 imported; a layer's packed weight is smaller than that. So the engine gathers the weights its decode kernels stream
-(each kernel state's fields marked "streamed") into one arena, in the order the step reads them, and allocates its KV
+(each kernel state's fields marked "streamed", and the dense layers' weights) into one arena, in the order the step reads them, and allocates its KV
 caches the same way: private anonymous memory advised MADV_HUGEPAGE, whatever the process's import order.
 
 `TOKQ_HUGE_PAGES=0` turns it off; elsewhere than Linux it is off. The kernel may still back an arena with small
@@ -23,6 +23,8 @@ import os
 import sys
 
 import torch
+
+from tokq.engine.layers import DenseLinearMethod, Linear
 
 HUGE_PAGE = 2 << 20
 ENV = "TOKQ_HUGE_PAGES"
@@ -76,27 +78,47 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
+def _streamed_tensors(model: torch.nn.Module) -> list[tuple[object, str]]:
+    """(owner, attribute) of each tensor a CPU decode step streams, in module order: every kernel state's fields
+    marked STREAMED, and the weight of every Linear left dense (its Parameter; a tied LM head shares the embedding's,
+    which moves with it)."""
+    owners: list[tuple[object, str]] = []
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if isinstance(module, Linear) and isinstance(method, DenseLinearMethod):
+            owners.append((module.weight, "data"))
+            continue
+        state = getattr(getattr(method, "kernel", None), "state", None)
+        if state is not None and dataclasses.is_dataclass(state):
+            owners += [(state, f.name) for f in dataclasses.fields(state) if f.metadata.get(STREAMED)]
+    seen: set[int] = set()
+    out = []
+    for owner, name in owners:
+        value = getattr(owner, name)
+        if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() and value.is_contiguous()
+                and id(owner) not in seen):
+            seen.add(id(owner))
+            out.append((owner, name))
+    return out
+
+
 def gather_streamed_weights(model: torch.nn.Module) -> int:
-    """Move the tensors every CPU Linear's kernel streams in decode (its kernel state's fields marked STREAMED) into one
-    huge-page arena, in module order (the order a decode step reads them); returns the bytes moved. Once per model:
-    engines that share a model share its arena."""
+    """Move the tensors a CPU decode step streams (_streamed_tensors) into one huge-page arena, in module order (the
+    order a decode step reads them); returns the bytes moved. One tensor at a time, each original released as its
+    copy takes its place (the arena's pages are only touched as they are written), so memory peaks at about one
+    tensor above the weights. Once per model: engines that share a model share its arena."""
     if not enabled() or getattr(model, _GATHERED, False):
         return 0
-    owners = []
-    for module in model.modules():
-        state = getattr(getattr(getattr(module, "method", None), "kernel", None), "state", None)
-        if state is None or not dataclasses.is_dataclass(state):
-            continue
-        for f in dataclasses.fields(state):
-            value = getattr(state, f.name)
-            if (f.metadata.get(STREAMED) and isinstance(value, torch.Tensor) and value.device.type == "cpu"
-                    and value.numel() and value.is_contiguous()):
-                owners.append((state, f.name, value))
-    if owners:
-        for (state, name, _), copy in zip(owners, gather([t for _, _, t in owners]), strict=True):
-            setattr(state, name, copy)
+    owners = _streamed_tensors(model)
+    specs = [(tuple(getattr(o, n).shape), getattr(o, n).dtype) for o, n in owners]
+    places = _carve([shape for shape, _ in specs], [dtype for _, dtype in specs])
+    moved = 0
+    for (owner, name), place in zip(owners, places, strict=True):
+        place.copy_(getattr(owner, name))
+        setattr(owner, name, place)
+        moved += place.nbytes
     setattr(model, _GATHERED, True)
-    return sum(t.nbytes for _, _, t in owners)
+    return moved
 
 
 def huge_page_bytes() -> int:
