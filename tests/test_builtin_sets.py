@@ -86,3 +86,31 @@ def test_bad_data_tables_name_the_line(tmp_path, table, message):
     path.write_text(f'[base]\nmodel = "m"\n[data.d]\n{table}\n[gate.quality]\nmax_kl = 0.1\n')
     with pytest.raises(ConfigError, match=message):
         load_project(path)
+
+
+def test_code_set_is_source_code_from_installed_packages(tmp_path):
+    """`code` is built from real source files of packages every tokq install has, each with its licence and version,
+    and shares no file with the default set (whose code is the CPython standard library)."""
+    from tokq.longctx.builtin_sets import builtin_sources
+    from tokq.longctx.default_set import build_default_set
+
+    sources = builtin_sources("code")
+    assert {s.name for s in sources} == {"torch-python", "torch-cpp", "transformers-python"}
+    summary = build_default_set(tmp_path / "code", sources=sources, max_documents=6, max_chars=40_000)
+    assert summary.n_documents == 6 and not summary.unavailable
+    import json
+
+    manifest = json.loads((tmp_path / "code" / "MANIFEST.json").read_text())
+    for doc in manifest["documents"]:
+        assert doc["licence"] in ("BSD-3-Clause", "Apache-2.0") and doc["version"]
+        assert doc["path"].endswith((".py.txt", ".h.txt")), doc["path"]
+        assert "generated" not in doc["path"] and "/modular_" not in doc["path"]
+        text = (tmp_path / "code" / doc["path"]).read_text()
+        assert ("def " in text or "class " in text or "#include" in text or "template" in text), doc["path"]
+
+
+def test_data_build_default_takes_the_code_set_and_refuses_an_unknown_one(tmp_path, capsys):
+    assert main(["data", "build-default", "--set", "prose-and-more", "--out", str(tmp_path / "x"),
+                 "--model", "none"]) == 2
+    assert "--set = 'prose-and-more' is not a built-in document set; known: default, code" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

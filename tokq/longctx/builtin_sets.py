@@ -14,7 +14,9 @@ from pathlib import Path
 from tokq.errors import ConfigError
 from tokq.paths import data_dir
 
-BUILTIN_SETS = ("default",)  # names `builtin = ...` accepts
+# Names `builtin = ...` and `--data` accept: `default` (long prose and manuals, with the CPython standard library's
+# code), `code` (C++ and Python source of packages tokq installs; see longctx.code_sources).
+BUILTIN_SETS = ("default", "code")
 
 
 def builtin_problem(name: object) -> str | None:
@@ -44,5 +46,14 @@ def ensure_builtin_set(name: str, say: Callable[[str], None] | None = None) -> P
     from tokq.longctx.default_set import build_default_set
 
     (say or print)(f"building tokq's built-in document set {name!r} in {folder} (first use on this machine)")
-    build_default_set(folder)
+    build_default_set(folder, sources=builtin_sources(name))
     return folder
+
+
+def builtin_sources(name: str):
+    """The source specs built-in set `name` is assembled from; None for `default` (the builder's own default)."""
+    if name == "code":
+        from tokq.longctx.code_sources import code_sources
+
+        return code_sources()
+    return None
