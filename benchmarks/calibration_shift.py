@@ -3,11 +3,13 @@
     python benchmarks/calibration_shift.py --model smollm2-135m [--builds rtn,gptq,gptq-minmax,awq,peer-gptq,peer-awq]
         [--calib code,manuals,prose] [--eval NAME=DIR ...] [--threads 1] [--peer-python /work/peer-venv/bin/python]
 
-Domains of the default long-document set (`tokq data build-default`):
+Domains, of tokq's two built-in sets (`tokq data build-default [--set code]`):
 
-- code: `cpython-stdlib` (Python source);
-- manuals: `python-doc` + `linux-doc` (reference manuals);
-- prose: `debian-policy` + `gnu-standards` (policy and standards texts).
+- code: `cpython-stdlib` (Python source; default set);
+- manuals: `python-doc` + `linux-doc` (reference manuals; default set);
+- prose: `debian-policy` + `gnu-standards` (policy and standards texts; default set);
+- code-set: the code set's PyTorch Python and C++ and transformers sources (what the code models are
+  calibrated on: `--calib code-set` judges them on other code (the stdlib) and on manuals and prose).
 
 For each calibration domain every calibrated build is quantized on the same calibration token ids
 (`calibration_samples` over that domain's documents: 32 x 512 tokens by default, seed 0, drawn as a mix of
@@ -17,7 +19,9 @@ each, against the fp32 base: per-token KL(base‖quant) over the full vocabulary
 and is quantized once.
 
 Builds: tokq's `rtn`, `gptq` (the default: MSE-searched group scales), `gptq-minmax` (min/max group
-scales, tokq's GPTQ before issue 20), `gptq-no-actorder` (dynamic groups), `awq`; llm-compressor's
+scales, tokq's GPTQ before issue 20), `gptq-no-actorder` (dynamic groups), `awq`; at 8 bits `w8a8-rtn` (int8
+W8A8 without smoothing), `smoothquant` (SmoothQuant's migration, then int8 W8A8) and `fp8` (FP8 e4m3 W8A8);
+builds that need no calibration (RTN, W8A8 RTN, FP8) are quantized once; llm-compressor's
 `peer-gptq` and `peer-awq` (its default recipes at the model's int4 setting from quant_protocol.MODELS,
 run in the optional peer venv by peer_quant.run_peer on the same token ids, loaded back with tokq's
 reader).
@@ -78,29 +82,45 @@ DOMAINS = {
     "code": ("cpython-stdlib",),
     "manuals": ("python-doc", "linux-doc"),
     "prose": ("debian-policy", "gnu-standards"),
+    "code-set": ("torch-python", "torch-cpp", "transformers-python"),
 }
-# build name -> (who, method, MethodOptions overrides)
+DOMAIN_SET = {"code-set": "code"}  # the built-in set a domain's documents come from (else "default")
+# build name -> (who, method, MethodOptions overrides[, scheme: a preset name; default the model's W4 setting])
 BUILDS = {
     "rtn": ("tokq", "rtn", {}),
     "gptq": ("tokq", "gptq", {}),
     "gptq-minmax": ("tokq", "gptq", {"gptq_scale_search": "minmax"}),
     "gptq-no-actorder": ("tokq", "gptq", {"act_order": False}),  # dynamic groups, MSE scales
     "awq": ("tokq", "awq", {}),
+    "w8a8-rtn": ("tokq", "rtn", {}, "w8a8-int8"),
+    "smoothquant": ("tokq", "smoothquant", {}, "w8a8-int8"),
+    "fp8": ("tokq", "fp8", {}, "w8a8-fp8"),
     "peer-gptq": ("llm-compressor", "gptq", {}),
     "peer-awq": ("llm-compressor", "awq", {}),
 }
+UNCALIBRATED = {b for b, spec in BUILDS.items() if spec[0] == "tokq" and spec[1] in ("rtn", "fp8")}
 DEFAULT_PEER_PYTHON = os.environ.get("TOKQ_PEER_PYTHON", "/work/peer-venv/bin/python")
 RESAMPLES = 2000
 
 
 def domain_documents(root_docs, domain: str):
-    """The documents of `domain`'s sources (doc ids under the default set are `<source>/<path>`)."""
+    """The documents of `domain`'s sources; `root_docs` maps a built-in set's name to its DocumentSet (doc ids
+    under a set are `<source>/<path>`)."""
     sources = DOMAINS[domain]
-    docs = [d for d in root_docs.documents if d.doc_id.split("/", 1)[0] in sources]
+    set_docs = root_docs[DOMAIN_SET.get(domain, "default")]
+    docs = [d for d in set_docs.documents if d.doc_id.split("/", 1)[0] in sources]
     if not docs:
-        raise SystemExit(f"the default set has no documents of {', '.join(sources)}: rebuild it with "
-                         "`tokq data build-default` (scripts/install_docs.sh installs the Debian doc packages)")
-    return replace(root_docs, documents=docs)
+        raise SystemExit(f"the {DOMAIN_SET.get(domain, 'default')} set has no documents of {', '.join(sources)}: "
+                         "rebuild it with `tokq data build-default` (scripts/install_docs.sh installs the Debian doc "
+                         "packages)")
+    return replace(set_docs, documents=docs)
+
+
+def builtin_sets() -> dict:
+    """Both built-in sets, read (each built here at its first use)."""
+    from tokq.longctx.builtin_sets import ensure_builtin_set
+
+    return {name: load_documents(ensure_builtin_set(name)) for name in ("default", "code")}
 
 
 def eval_sets(root_docs, extra: list[str], tokenizer, add_bos: bool, count: int, window: int) -> dict:
@@ -155,16 +175,20 @@ def ratio_estimate(a: dict, b: dict, seed: int = 0) -> dict:
 
 
 def quantize_tokq(build: str, model: str, checkpoint: Path, calib) -> tuple:
-    _who, method, overrides = BUILDS[build]
+    _who, method, overrides, *preset_name = BUILDS[build]
     setting = MODELS[model]
     quant = load_model(checkpoint, dtype="fp32")
-    scheme, _notes = resolve_scheme(method, quant.config, setting.scheme, group_size=setting.group_size, symmetric=True)
+    if preset_name:  # an 8-bit scheme, per channel as its preset says
+        scheme, _notes = resolve_scheme(method, quant.config, preset_name[0])
+    else:
+        scheme, _notes = resolve_scheme(method, quant.config, setting.scheme, group_size=setting.group_size,
+                                        symmetric=True)
     result = quantize_model(quant, method, scheme, calib if method != "rtn" else None, MethodOptions(**overrides))
     return quant, result.seconds
 
 
 def quantize_peer(build: str, model: str, checkpoint: Path, calib, work: Path, peer_python: str, threads: int):
-    _who, method, _ = BUILDS[build]
+    method = BUILDS[build][1]
     tokens = work / "calibration.safetensors"
     save_file({"input_ids": calib.tokens.contiguous()}, str(tokens))
     record = run_peer(peer_python, checkpoint, tokens, method, MODELS[model].group_size, work, 60 * 60, threads, work)
@@ -191,13 +215,12 @@ def summarize(record: dict) -> dict:
             if ev == calib or ev not in rtn:
                 continue
             row: dict = {"builds": {}, "targets": {}}
-            cells = {b: record["cells"].get(f"{b}@{calib}", {}).get(ev) for b in BUILDS if b != "rtn"}
-            cells["rtn"] = rtn[ev]
+            cells = {b: record["cells"].get(b if b in UNCALIBRATED else f"{b}@{calib}", {}).get(ev) for b in BUILDS}
             for b, cell in cells.items():
                 if cell is None:
                     continue
                 entry = {"kl": kl_estimate(cell), "top1_agreement": cell["top1_agreement"], "ppl_ratio": cell["ppl_ratio"]}
-                if b != "rtn":
+                if b != "rtn" and b not in ("w8a8-rtn", "smoothquant", "fp8"):
                     r = ratio_estimate(cell, cells["rtn"])
                     entry["reduction_vs_rtn"] = {"value": 1 - r["value"], "low": 1 - r["high"], "high": 1 - r["low"]}
                 row["builds"][b] = entry
@@ -212,9 +235,22 @@ def summarize(record: dict) -> dict:
             if "gptq" in b and "peer-gptq" in b:
                 ratio = b["gptq"]["over_peer-gptq"]["value"]
                 row["targets"]["gptq_no_worse_than_llmcompressor"] = {"value": ratio, "met": ratio <= 1.0}
+            if "awq" in b and "peer-awq" in b:
+                ratio = b["awq"]["over_peer-awq"]["value"]
+                row["targets"]["awq_no_worse_than_llmcompressor"] = {"value": ratio, "met": ratio <= 1.0}
+            if cells.get("smoothquant") and cells.get("w8a8-rtn"):  # SmoothQuant against W8A8 without smoothing
+                r = ratio_estimate(cells["smoothquant"], cells["w8a8-rtn"])
+                b["smoothquant"]["over_w8a8-rtn"] = r
+                row["targets"]["smoothquant_below_w8a8_rtn"] = {"value": r["value"], "met": r["value"] < 1.0}
             row["token_distance"] = (record["distances"].get(calib, {}).get(ev) or {}).get("excess_bits")
             out[f"{calib}->{ev}"] = row
     return out
+
+
+W4_COLUMNS = (("rtn", "RTN"), ("gptq", "tokq GPTQ"), ("gptq-minmax", "GPTQ min/max"),
+              ("gptq-no-actorder", "GPTQ no act-order"), ("peer-gptq", "llm-c GPTQ"), ("awq", "tokq AWQ"),
+              ("peer-awq", "llm-c AWQ"))
+W8_COLUMNS = (("w8a8-rtn", "W8A8 int8 RTN"), ("smoothquant", "SmoothQuant W8A8"), ("fp8", "FP8 W8A8"))
 
 
 def markdown(record: dict) -> str:
@@ -223,11 +259,9 @@ def markdown(record: dict) -> str:
              f"Calibration {record['settings']['num_samples']} x {record['settings']['seq_len']} tokens per domain "
              f"(seed {record['settings']['seed']}); evaluation {record['settings']['eval_windows']} windows of "
              f"{record['settings']['eval_window']} tokens per set; mean KL(base‖quant) over the full vocabulary, "
-             "95% intervals over documents. `-x%` is the KL reduction against RTN on the same tokens.",
-             "",
-             "| calib -> eval | distance | RTN | tokq GPTQ | GPTQ min/max | GPTQ no act-order | llm-c GPTQ | tokq AWQ "
-             "| llm-c AWQ | targets |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "95% intervals over documents. `-x%` is the KL reduction against RTN on the same tokens."]
+    rows = record["summary"]
+    present = {b for row in rows.values() for b in row["builds"]}
 
     def cell(b: dict | None) -> str:
         if not b:
@@ -236,13 +270,27 @@ def markdown(record: dict) -> str:
         red = b.get("reduction_vs_rtn")
         return f"{k['value']:.4f} [{k['low']:.3f}, {k['high']:.3f}]" + (f" {-100 * red['value']:+.0f}%" if red else "")
 
-    for pair, row in record["summary"].items():
+    for title, columns in (("4-bit weights", W4_COLUMNS), ("8-bit weights and activations", W8_COLUMNS)):
+        columns = [(b, label) for b, label in columns if b in present]
+        if not columns:
+            continue
+        lines += ["", f"## {title}", "", "| calib -> eval | distance | " + " | ".join(label for _b, label in columns)
+                  + " | targets |", "|---" * (len(columns) + 3) + "|"]
+        for pair, row in rows.items():
+            b = row["builds"]
+            names = {name for name, _label in columns}
+            met = [f"{k}: {'met' if t['met'] else 'NOT MET'}" for k, t in row["targets"].items()
+                   if any(k.startswith(n.replace("-", "_")) for n in names)]
+            dist = row.get("token_distance")
+            lines.append(f"| {pair} | {'-' if dist is None else f'{dist:.3f}'} | "
+                         + " | ".join(cell(b.get(n)) for n, _label in columns) + f" | {'; '.join(met)} |")
+    columns = [(b, label) for b, label in (*W4_COLUMNS, *W8_COLUMNS) if b in present]
+    lines += ["", "## Top-1 agreement and perplexity ratio (quantized / base)", "",
+              "| calib -> eval | " + " | ".join(label for _b, label in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for pair, row in rows.items():
         b = row["builds"]
-        met = [f"{k}: {'met' if t['met'] else 'NOT MET'}" for k, t in row["targets"].items()]
-        dist = row.get("token_distance")
-        lines.append(f"| {pair} | {'-' if dist is None else f'{dist:.3f}'} | " + " | ".join(
-            cell(b.get(n)) for n in ("rtn", "gptq", "gptq-minmax", "gptq-no-actorder", "peer-gptq", "awq", "peer-awq"))
-            + f" | {'; '.join(met)} |")
+        lines.append(f"| {pair} | " + " | ".join(
+            f"{100 * b[n]['top1_agreement']:.1f}% / {b[n]['ppl_ratio']:.3f}" if n in b else "-" for n, _l in columns) + " |")
     lines += ["", "In-domain token distances (calibration against evaluation windows of its own domain, which may "
               "share documents): " + ", ".join(f"{c} {(record['distances'].get(c, {}).get(c) or {}).get('excess_bits', 0):.3f}"
                                                for c in record["settings"]["calib"]) + "."]
@@ -276,11 +324,12 @@ def main() -> None:
         sys.exit(f"peer python {args.peer_python} not found: bash benchmarks/peer_venv.sh, or drop the peer-* builds")
     torch.set_num_threads(args.threads)
     out_json = args.out or RESULTS / f"calibration-shift-{args.model}.json"
-    checkpoint, tokenizer, add_bos, root_docs = base_and_default_set(args.model)
+    checkpoint, tokenizer, add_bos, _default = base_and_default_set(args.model)
+    root_docs = builtin_sets()
     sets = eval_sets(root_docs, args.eval, tokenizer, add_bos, args.eval_windows, args.eval_window)
     settings = {"num_samples": args.num_samples, "seq_len": args.seq_len, "seed": args.seed,
                 "eval_windows": args.eval_windows, "eval_window": args.eval_window, "calib": calibs,
-                "data_hash": root_docs.content_hash(),
+                "data_hash": root_docs["default"].content_hash(),
                 "eval_hashes": {n: d.content_hash() for n, (_w, d) in sets.items()}}
     record = {"benchmark": "calibration_shift", "tokq_version": __version__, "model": args.model,
               "setting": {"scheme": MODELS[args.model].scheme, "group_size": MODELS[args.model].group_size},
@@ -299,8 +348,8 @@ def main() -> None:
     record["hardware"] = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     base = load_model(checkpoint, dtype="fp32")
-    todo = [("rtn", None)] if "rtn" in builds else []
-    todo += [(b, c) for c in calibs for b in builds if b != "rtn"]
+    todo = [(b, None) for b in builds if b in UNCALIBRATED]
+    todo += [(b, c) for c in calibs for b in builds if b not in UNCALIBRATED]
     hiddens = {n: [final_hidden(base, torch.tensor(w.tokens)) for w in ws.windows] for n, (ws, _d) in sets.items()} \
         if todo else {}
     eval_hist = {n: token_histogram(torch.tensor([t for w in ws.windows for t in w.tokens]))
@@ -328,7 +377,7 @@ def main() -> None:
         if calib_domain is not None:
             calib = draw(calib_domain)
             # the domain, not this machine's path to the default set
-            record["calibration"][calib_domain] = {**calib.to_json(), "source": f"default set: {calib_domain}"}
+            record["calibration"][calib_domain] = {**calib.to_json(), "source": f"{DOMAIN_SET.get(calib_domain, 'default')} set: {calib_domain}"}
         started = time.perf_counter()
         print(f"[{key}] quantizing ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="tokq-shift-") as tmp:

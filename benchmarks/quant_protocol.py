@@ -48,6 +48,10 @@ class ModelSetting:
 MODELS = {
     "smollm2-135m": ModelSetting("smollm2-135m", "w4a16", 64),
     "gemma3-270m": ModelSetting("gemma3-270m", "w4a16", 128),
+    # Group 128, the upstream int4 releases' group: the 0.5B's weights passed through upstream's AWQ int4 and Q5_0
+    # (blocks of 32), the 1.5B's through Q4_K (sub-blocks of 32), so group 32 would start near their grid.
+    "qwen2.5-coder-0.5b": ModelSetting("qwen2.5-coder-0.5b", "w4a16", 128),
+    "qwen2.5-coder-1.5b": ModelSetting("qwen2.5-coder-1.5b", "w4a16", 128),
 }
 
 
