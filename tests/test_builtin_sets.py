@@ -114,3 +114,18 @@ def test_data_build_default_takes_the_code_set_and_refuses_an_unknown_one(tmp_pa
                  "--model", "none"]) == 2
     assert "--set = 'prose-and-more' is not a built-in document set; known: default, code" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_calib_names_a_builtin_set_unless_a_folder_of_that_name_exists(tmp_path, monkeypatch, tiny_sources):
+    """`--calib code` / `--calib default` mean tokq's built-in sets (built at first use), as `--data` does; a folder of
+    that name in the working directory is the user's and wins."""
+    from tokq.longctx.builtin_sets import calibration_folder
+
+    monkeypatch.setenv("TOKQ_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert calibration_folder(None) == tmp_path / "home" / "data" / "default"
+    assert (tmp_path / "home" / "data" / "default" / "MANIFEST.json").is_file()
+    assert calibration_folder(Path("default")) == tmp_path / "home" / "data" / "default"
+    (tmp_path / "code").mkdir()
+    assert calibration_folder(Path("code")) == Path("code")
+    assert calibration_folder(Path("elsewhere")) == Path("elsewhere")  # read (and refused) where it is read

@@ -183,10 +183,10 @@ def run_quantize(model: str, out: Path, s: QuantizeSettings, *, force: bool = Fa
         calib = s.calib
         # a search calibrates on its choice documents; KV scales are calibrated on the same windows as the weights
         if (run_method in NEEDS_CALIBRATION or s.kv_cache) and not searched:
-            if calib is None:  # tokq's built-in set, built here at its first use on this machine
-                from tokq.longctx.builtin_sets import ensure_builtin_set
+            from tokq.longctx.builtin_sets import calibration_folder
 
-                calib = ensure_builtin_set("default", console.print)
+            # none given: tokq's default set; `code` or `default`: that built-in set (each built at first use here)
+            calib = calibration_folder(calib, console.print)
             tokenizer = load_tokenizer(checkpoint)
             if s.seq_len > config.max_position_embeddings:
                 raise DataError(f"--seq-len {s.seq_len} exceeds the context of {model} "

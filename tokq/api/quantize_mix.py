@@ -177,12 +177,13 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
 
     from tokq.engine.checkpoint import load_model
     from tokq.engine.tokenizer import load_tokenizer, model_adds_bos
+    from tokq.longctx.builtin_sets import calibration_folder
     from tokq.longctx.documents import DocumentSet, load_documents
     from tokq.mixed.search import search_mix, size_budget
     from tokq.mixed.splits import split_documents
     from tokq.mixed.verify import HeldOutKL
     from tokq.outputs import CHECKPOINT, MARKER
-    from tokq.paths import atomic_directory, data_dir
+    from tokq.paths import atomic_directory
     from tokq.quantization.calibration import calibration_samples
     from tokq.quantization.formats.compressed_tensors import save_quantized
     from tokq.quantization.layer_schemes import (
@@ -194,10 +195,7 @@ def quantize_mixed(lm, *, model: str, checkpoint: Path, config, out: Path, s, ru
 
     formats = parse_mix(s.mix, provenance["method"], config)
     schemes = {k: v for k, v in formats.items() if v is not None}
-    data = s.calib if s.calib is not None else data_dir() / "default"
-    if not data.is_dir():
-        raise DataError(f"--mix chooses and verifies on documents; the default document set {data} is not built "
-                        "yet: run `tokq data build-default` or pass --calib DIR")
+    data = calibration_folder(s.calib, console.print)  # a built-in set is built here at its first use
     docs = load_documents(data, limits=limits)
     choice, held_out = split_documents(docs.documents, HELD_OUT_FRACTION, s.seed)
     tokenizer = load_tokenizer(checkpoint)

@@ -56,7 +56,7 @@ def quantize_cmd(
         help="SmoothQuant migration strength in [0, 1] (default 0.5) or 'search'; with --method fp8, smooth "
         "activations into the weights before FP8 W8A8 (calibrated).",
     ),
-    calib: Path = typer.Option(None, "--calib", help="Folder of calibration documents (default: the default long-document set)."),
+    calib: Path = typer.Option(None, "--calib", help="Folder of calibration documents, or a built-in set: default (the default) or code."),
     num_samples: int = typer.Option(32, "--num-samples", help="Calibration windows to draw."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
     max_doc_mb: float = typer.Option(DEFAULT_MAX_DOC_MB, "--max-doc-mb", help="Calibration: " + MAX_DOC_MB_HELP),

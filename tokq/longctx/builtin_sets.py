@@ -50,6 +50,16 @@ def ensure_builtin_set(name: str, say: Callable[[str], None] | None = None) -> P
     return folder
 
 
+def calibration_folder(calib: Path | None, say: Callable[[str], None] | None = None) -> Path:
+    """The folder `--calib` means: the default set when not given, a built-in set when it names one (`--calib code`)
+    and no folder of that name exists here, else the folder as given (checked where it is read)."""
+    if calib is None:
+        return ensure_builtin_set("default", say)
+    if not calib.exists() and builtin_problem(str(calib)) is None:
+        return ensure_builtin_set(str(calib), say)
+    return calib
+
+
 def builtin_sources(name: str):
     """The source specs built-in set `name` is assembled from; None for `default` (the builder's own default)."""
     if name == "code":
