@@ -2,7 +2,7 @@
 
     python benchmarks/vs_llamacpp.py [--llama-python /work/peer-llama/bin/python] [--threads 1,2] [--repeats 3]
                                      [--prompt 512] [--new 128] [--batch 16] [--model smollm2-135m] [--quick]
-                                     [--out PATH]
+                                     [--core] [--out PATH]
 
 The peer is llama-cpp-python in its own venv outside the repository (`bash benchmarks/peer_llama_venv.sh`
 builds it with flags that run on both CPUs this project meets); it is never a dependency of tokq. Both sides
@@ -14,7 +14,9 @@ sides.
 Sides:
 - llama.cpp: the GGUF the zoo base was converted from (SmolLM2: Q4_1) and an F16 GGUF requantized from it by
   llama.cpp itself (`llama_model_quantize`, F16: the same weights as tokq's 16-bit base, which is that GGUF
-  dequantized).
+  dequantized); where that GGUF is not Q4_1 (the Qwen2.5-Coder models: Q4_K_M and Q5_0 mixes), also Q4_0
+  requantized from it, llama.cpp's plainest 4-bit format (blocks of 32, one fp16 scale), the closest to tokq's
+  int4 in bytes and work; tokq's int4 is compared with both.
 - tokq, "before" (`eager`): the engine as it ran before issue 33 (TOKQ_COMPILE=0: every op dispatched from Python;
   attention through SDPA, `cpu_paged_sdpa`; aten's int4 op; the 16-bit tied LM head); `graph`: pure decode steps
   through the compiled graph (TOKQ_NATIVE_STEP=0), attention through tokq's native decode kernel called from the
@@ -29,6 +31,8 @@ Sides:
   llama_decode per step; LLAMA_BATCH_RUNNER).
 - tokq against itself, step-alternated: the int4 configurations' decode steps alternating one by one (far
   steadier ratios than whole runs on a noisy machine).
+- `--core`: only what a user would run, for the larger models: tokq bf16 and int4 + int8 head on the native step,
+  and llama.cpp; no "before" configurations, no step alternation, and the KL of the int8 head alone and on int4.
 
 Also recorded: the copy bandwidth measured in the same run, each side's bytes read per token (weights at
 stored size plus the KV cache at the mean context) and the fraction of the copy bandwidth that is, the load
@@ -147,7 +151,7 @@ params.allow_requantize = True
 rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
 sys.exit(rc)
 '''
-LLAMA_FTYPE = {"F16": 1, "Q8_0": 7}
+LLAMA_FTYPE = {"F16": 1, "Q4_0": 2, "Q8_0": 7}
 
 
 def summary(values: list[float]) -> dict:
@@ -190,9 +194,9 @@ def as_saved(model: torch.nn.Module, scheme, source: Path) -> torch.nn.Module:
         return load_model(out, dtype=torch.bfloat16)
 
 
-def tokq_models(model_name: str):
+def tokq_models(model_name: str, core: bool = False):
     """The models measured, each built with its own kernel selection (TOKQ_KERNELS while its layers are prepared);
-    the quantized ones written and loaded back as a checkpoint (as_saved)."""
+    the quantized ones written and loaded back as a checkpoint (as_saved). `core`: bf16 and int4+int8head only."""
     from tokq.engine.checkpoint import load_model
     from tokq.quantization.lm_head import quantize_lm_head_
     from tokq.quantization.pipeline import quantize_model
@@ -220,6 +224,8 @@ def tokq_models(model_name: str):
     # "int4": the decoder on aten's int4 op and the 16-bit head, as before issue 33; "int4aten+int8head": aten's
     # int4 op with the int8 head; "int4+int8head": the kernels the registry picks on this CPU (on AVX-512 VNNI,
     # tokq's native int4 GEMV) with the int8 head
+    if core:
+        return path, {"bf16": build(False, False), "int4+int8head": build(True, True)}
     return path, {"bf16": build(False, False), "int4": build(True, False, "cpu_int4"),
                   "int4aten+int8head": build(True, True, "cpu_int4,cpu_native_int8"),
                   "int4+int8head": build(True, True)}
@@ -352,7 +358,8 @@ def llama_decode(python: str, gguf: Path, prompt: list[int], new: int, threads: 
 
 def llama_ggufs(python: str, source: Path, scratch: Path) -> dict[str, Path]:
     out = {"Q4_1" if "Q4_1" in source.name else "source": source}
-    for name, ftype in (("F16", LLAMA_FTYPE["F16"]),):
+    wanted = ("F16",) if "Q4_1" in out else ("F16", "Q4_0")
+    for name, ftype in ((n, LLAMA_FTYPE[n]) for n in wanted):
         dst = scratch / f"{source.stem}.{name}.gguf"
         proc = subprocess.run([python, "-c", LLAMA_QUANTIZE, str(source), str(dst), str(ftype)],
                               capture_output=True, text=True, timeout=600)
@@ -438,14 +445,14 @@ def quality_costs(models: dict, path: Path, tokenizer, count: int) -> dict:
     from tokq.quantization.lm_head import quantize_lm_head_
 
     windows, window_source = held_out_windows(tokenizer, count, 512)
-    kl = head_kl(models["bf16"], {"int4 (bf16 head)": models["int4"], "int4 + int8 head": models["int4+int8head"]},
-                 windows)
+    kl = head_kl(models["bf16"], {"int4 (bf16 head)": models["int4"], "int4 + int8 head": models["int4+int8head"]}
+                 if "int4" in models else {"int4 + int8 head": models["int4+int8head"]}, windows)
     base_head = load_model(path, dtype=torch.bfloat16)
     quantize_lm_head_(base_head, "int8")
     kl.update(head_kl(models["bf16"], {"bf16 + int8 head alone": base_head}, windows))
     with every_row_through_the_gemvs():
         kl.update(head_kl(models["bf16"], {"int4 + int8 head, decode kernels": models["int4+int8head"]}, windows))
-        if "cpu_native_int4" in kernel_names(models["int4+int8head"]):  # both heads on the native int8 GEMV here
+        if "int4aten+int8head" in models and "cpu_native_int4" in kernel_names(models["int4+int8head"]):
             kl.update(head_kl(models["int4aten+int8head"], {"native int4 (int8 activations) vs aten int4":
                                                             models["int4+int8head"]}, windows))
     kl["windows_from"] = window_source
@@ -465,6 +472,7 @@ def main() -> None:
     ap.add_argument("--kl-windows", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16, help="sequences decoded together in the batched runs (0: none)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 32 new tokens, 4 KL windows: a smoke run")
+    ap.add_argument("--core", action="store_true", help="tokq bf16 and int4+int8head (native step) and llama.cpp only")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--kl-only", action="store_true",
                     help="recompute only the KL costs (lm_head_kl) into the existing results file")
@@ -474,7 +482,7 @@ def main() -> None:
 
         out = args.out or RESULTS / f"vs-llamacpp-{args.model}-{cpu_tag(cpu_facts())}.json"
         result = json.loads(out.read_text(encoding="utf-8"))
-        path, models = tokq_models(args.model)
+        path, models = tokq_models(args.model, args.core)
         result["lm_head_kl"] = quality_costs(models, path, load_tokenizer(path), args.kl_windows)
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(json.dumps(result["lm_head_kl"], indent=2))
@@ -495,15 +503,17 @@ def main() -> None:
     # medians (a busy moment on a shared machine lowers one: 33 against 50 GB/s in two runs a day apart)
     torch.set_num_threads(max(threads))
     bandwidth_before = copy_bandwidth()
-    path, models = tokq_models(args.model)
+    path, models = tokq_models(args.model, args.core)
     tokenizer = load_tokenizer(path)
     prompt = tokenizer.encode(PROMPT_SOURCE.read_text(encoding="utf-8"))[: args.prompt]
     scratch = Path(tempfile.mkdtemp(prefix="tokq-vs-llama-"))
     ggufs = llama_ggufs(args.llama_python, locate_gguf(ZOO[args.model], scratch), scratch)
 
-    graph_models = ("bf16", "int4+int8head")  # the compiled graph beside the native step for these two
+    # the compiled graph beside the native step for these two (not in --core: the native step only)
+    graph_models = () if args.core else ("bf16", "int4+int8head")
     compile_seconds = warm_compiled(models, prompt, threads, graph_models)
     int4_peer = "Q4_1" if "Q4_1" in ggufs else "source"
+    int4_peers = [p for p in ("Q4_1", "source", "Q4_0") if p in ggufs]
     configs = ([("tokq", name, mode) for name in models for mode in MODES
                 if mode == "native" or (mode == "eager" and name in ("bf16", "int4"))
                 or (mode == "graph" and name in graph_models)]
@@ -534,7 +544,10 @@ def main() -> None:
         t = max(threads)
         for repeat in range(args.repeats):
             for side, name in (("tokq", "int4+int8head"), ("tokq", "bf16"), ("tokq", "int4"),
-                               ("tokq", "int4aten+int8head"), ("llama.cpp", int4_peer), ("llama.cpp", "F16")):
+                               ("tokq", "int4aten+int8head"), *(("llama.cpp", p) for p in int4_peers),
+                               ("llama.cpp", "F16")):
+                if side == "tokq" and name not in models:
+                    continue
                 key = f"{side} {name} x{args.batch} @{t}t"
                 r = (tokq_decode_batch(models[name], prompts, args.new, t) if side == "tokq"
                      else llama_decode_batch(args.llama_python, ggufs[name], prompts, args.new, t))
@@ -562,26 +575,29 @@ def main() -> None:
         for mine, peer in ((f"tokq int4 eager @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq int4 native @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq int4+int8head graph @{t}t", f"llama.cpp {int4_peer} @{t}t"),
-                           (f"tokq int4+int8head native @{t}t", f"llama.cpp {int4_peer} @{t}t"),
+                           *((f"tokq int4+int8head native @{t}t", f"llama.cpp {p} @{t}t") for p in int4_peers),
                            (f"tokq int4aten+int8head native @{t}t", f"llama.cpp {int4_peer} @{t}t"),
                            (f"tokq bf16 eager @{t}t", f"llama.cpp F16 @{t}t"),
                            (f"tokq bf16 graph @{t}t", f"llama.cpp F16 @{t}t"),
                            (f"tokq bf16 native @{t}t", f"llama.cpp F16 @{t}t"),
                            (f"tokq int4+int8head native @{t}t", f"tokq int4+int8head graph @{t}t"),
                            (f"tokq bf16 native @{t}t", f"tokq bf16 graph @{t}t")):
-            pairs = [a / b for a, b in zip(runs[mine], runs[peer], strict=True)]
-            ratios[f"{mine} / {peer}"] = summary(pairs)
-        scale = [a / b for a, b in zip(runs[f"tokq int4+int8head native @{t}t"], runs[f"tokq int4 eager @{t}t"],
-                                       strict=True)]
-        ratios[f"after / before (int4) @{t}t"] = summary(scale)
+            if mine in runs and peer in runs:  # --core runs fewer configurations
+                ratios[f"{mine} / {peer}"] = summary([a / b for a, b in zip(runs[mine], runs[peer], strict=True)])
+        if f"tokq int4 eager @{t}t" in runs:
+            scale = [a / b for a, b in zip(runs[f"tokq int4+int8head native @{t}t"], runs[f"tokq int4 eager @{t}t"],
+                                           strict=True)]
+            ratios[f"after / before (int4) @{t}t"] = summary(scale)
     if batched:
         t, b = max(threads), args.batch
-        for mine, other in ((f"tokq int4+int8head x{b} @{t}t", f"llama.cpp {int4_peer} x{b} @{t}t"),
+        for mine, other in (*((f"tokq int4+int8head x{b} @{t}t", f"llama.cpp {p} x{b} @{t}t") for p in int4_peers),
                             (f"tokq bf16 x{b} @{t}t", f"llama.cpp F16 x{b} @{t}t"),
                             (f"tokq int4+int8head x{b} @{t}t", f"tokq bf16 x{b} @{t}t"),
                             (f"tokq int4aten+int8head x{b} @{t}t", f"tokq bf16 x{b} @{t}t"),
                             (f"tokq int4 x{b} @{t}t", f"tokq bf16 x{b} @{t}t")):
-            ratios[f"{mine} / {other}"] = summary([a / c for a, c in zip(batched[mine], batched[other], strict=True)])
+            if mine in batched and other in batched:
+                ratios[f"{mine} / {other}"] = summary([a / c for a, c in zip(batched[mine], batched[other],
+                                                                              strict=True)])
     if len(threads) > 1:
         lo, hi = min(threads), max(threads)
         for key in {k.rsplit(" @", 1)[0] for k in runs}:
@@ -589,10 +605,10 @@ def main() -> None:
             if a and b:
                 ratios[f"thread scaling {key} ({hi}t / {lo}t)"] = summary([x / y for x, y in zip(a, b, strict=True)])
 
-    alternated = {t: step_alternated(models, [("int4", "eager"), ("int4+int8head", "graph"),
-                                              ("int4aten+int8head", "native"), ("int4+int8head", "native")],
-                                     prompt, t, 60 if args.quick else 200)
-                  for t in threads}
+    alternated = {} if args.core else {
+        t: step_alternated(models, [("int4", "eager"), ("int4+int8head", "graph"), ("int4aten+int8head", "native"),
+                                    ("int4+int8head", "native")], prompt, t, 60 if args.quick else 200)
+        for t in threads}
     kl = quality_costs(models, path, tokenizer, args.kl_windows)
 
     def agree(a: str, b: str) -> int:
@@ -615,11 +631,13 @@ def main() -> None:
         "tokq_step_alternated": {f"{t}t": v for t, v in alternated.items()},
         "kernels": {name: kernel_names(m) for name, m in models.items()},
         "greedy_tokens_equal_prefix": {
-            "int4 native vs eager": agree(f"tokq int4 native @{t0}t", f"tokq int4 eager @{t0}t"),
-            "bf16 native vs eager": agree(f"tokq bf16 native @{t0}t", f"tokq bf16 eager @{t0}t"),
-            "bf16 graph vs eager": agree(f"tokq bf16 graph @{t0}t", f"tokq bf16 eager @{t0}t"),
-            "tokq bf16 native vs llama.cpp F16": agree(f"tokq bf16 native @{t0}t", f"llama.cpp F16 @{t0}t"),
-            "of": args.new},
+            label: agree(a, b) for label, a, b in (
+                ("int4 native vs eager", f"tokq int4 native @{t0}t", f"tokq int4 eager @{t0}t"),
+                ("bf16 native vs eager", f"tokq bf16 native @{t0}t", f"tokq bf16 eager @{t0}t"),
+                ("bf16 graph vs eager", f"tokq bf16 graph @{t0}t", f"tokq bf16 eager @{t0}t"),
+                ("tokq bf16 native vs llama.cpp F16", f"tokq bf16 native @{t0}t", f"llama.cpp F16 @{t0}t"))
+            if a in tokens and b in tokens} | {"of": args.new},
+        "core_only": args.core,
         "ggufs": {k: v.name for k, v in ggufs.items()},
         "notes": "int4 = RTN w4a16 g64, written and loaded back as a checkpoint (same kernel and bytes as AWQ/GPTQ "
                  "g64). Decode tok/s excludes prefill. bytes_per_token = weights at stored size + the KV cache at the mean context; "

@@ -129,3 +129,21 @@ def test_calib_names_a_builtin_set_unless_a_folder_of_that_name_exists(tmp_path,
     (tmp_path / "code").mkdir()
     assert calibration_folder(Path("code")) == Path("code")
     assert calibration_folder(Path("elsewhere")) == Path("elsewhere")  # read (and refused) where it is read
+
+
+def test_init_for_a_code_model_judged_on_the_code_set(tmp_path, monkeypatch):
+    """`tokq init --model qwen2.5-coder-1.5b --data code`: the starter names that base, its int4 recipe carries the
+    zoo's group size for it, and the gate judges on tokq's code set (by name: no path of this machine)."""
+    monkeypatch.setenv("TOKQ_HOME", str(tmp_path / "home"))
+    path = tmp_path / "project" / "tokq.toml"
+    path.parent.mkdir()
+    assert main(["init", "--path", str(path), "--model", "qwen2.5-coder-1.5b", "--data", "code"]) == 0
+    project = load_project(path)
+    assert project.base == "qwen2.5-coder-1.5b"
+    assert project.variants["int4"].recipe["group_size"] == 128
+    assert project.variants["int4"].path == path.parent / "tokq_out" / "qwen2.5-coder-1.5b-awq-int4"
+    assert list(project.data) == ["code"] and project.data["code"].builtin == "code"
+    assert str(tmp_path) not in path.read_text()
+    # the default starter is SmolLM2's at group 64 (576 does not divide by 128)
+    assert main(["init", "--path", str(path), "--force"]) == 0
+    assert load_project(path).variants["int4"].recipe["group_size"] == 64

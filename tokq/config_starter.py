@@ -1,21 +1,23 @@
 """The starter tokq.toml `tokq init` writes: every table, commented (tokq.config reads and checks it)."""
 
-STARTER = '''# tokq.toml: what `tokq gate` checks before a quantized build may ship.
+from __future__ import annotations
+
+import re
+
+_TEMPLATE = '''# tokq.toml: what `tokq gate` checks before a quantized build may ship.
 # Paths are relative to this file. Every key below is optional except [base] model.
 
 [base]
-model = "smollm2-135m"        # zoo name (`tokq models list`) or a checkpoint directory
+model = @MODEL@        # zoo name (`tokq models list`) or a checkpoint directory
 dtype = "auto"                # compute dtype: auto (bf16 on CPU, fp16 on CUDA), fp32, bf16, fp16
 
 [variants]
 # A checkpoint, or a recipe `tokq quantize` can rebuild (method, scheme, group_size, ...):
-int4 = { path = "tokq_out/smollm2-awq-int4", recipe = { method = "awq", scheme = "w4a16", group_size = 64 } }
+int4 = { path = "tokq_out/@SHORT@-awq-int4", recipe = { method = "awq", scheme = "w4a16"@GROUP@ } }
 # w8a8 = { recipe = { method = "smoothquant", scheme = "w8a8-int8" } }
 
-[data.default]
-builtin = "default"                    # tokq's own long-document set, built on each machine at first use;
-                                       # for yours: path = "docs" (a folder relative to this file: txt, md,
-                                       # rst, jsonl, .gz; parquet, arrow)
+[data.@DATA_NAME@]
+@DATA_LINE@
 window = 2048                          # tokens per scored window
 sample_windows = 16                    # windows spread evenly over the documents
 probe_repeats = 2                      # passkey probes per (context, depth): 2 contexts x 5 depths x 2 = 20
@@ -52,3 +54,38 @@ max_ttft_p50_ratio = 1.5      # median TTFT variant / base (prefill regressions)
 # max_memory_ratio = 0.8       # (weights + KV cache) variant / base
 # max_weights_ratio = 0.5      # weights alone
 '''
+
+_BUILTIN_LINES = {
+    "default": """builtin = "default"                    # tokq's own long-document set, built on each machine at first use;
+                                       # for yours: path = "docs" (a folder relative to this file: txt, md,
+                                       # rst, jsonl, .gz; parquet, arrow)""",
+    "code": """builtin = "code"                       # tokq's code set (PyTorch and transformers sources), built on each
+                                       # machine at first use; for yours: path = "src" (a folder relative
+                                       # to this file: txt, md, rst, jsonl, .gz; parquet, arrow)""",
+}
+
+
+def starter(model: str = "smollm2-135m", data: str = "default") -> str:
+    """The starter for `model` (a zoo name gets its int4 group size from the zoo's table; another model the 128 that
+    quantize falls back from where a layer does not divide) judged on `data`: a built-in set's name, or a folder
+    relative to the file."""
+    from tokq.zoo_catalog import ZOO
+
+    zoo = ZOO.get(model)
+    short = zoo.short_name if zoo is not None else re.sub(r"[^A-Za-z0-9._-]+", "-", model.rstrip("/").rsplit("/", 1)[-1])
+    group = f", group_size = {zoo.int4_group_size}" if zoo is not None else ""
+    if data in _BUILTIN_LINES:
+        data_name, data_line = data, _BUILTIN_LINES[data]
+    else:
+        data_name = "docs"
+        data_line = (f'path = {_toml_string(data)}' + " " * max(1, 39 - len(_toml_string(data)) - 7)
+                     + "# your documents, relative to this file (txt, md, rst, jsonl, .gz; parquet, arrow)")
+    return (_TEMPLATE.replace("@MODEL@", _toml_string(model)).replace("@SHORT@", short).replace("@GROUP@", group)
+            .replace("@DATA_NAME@", data_name).replace("@DATA_LINE@", data_line))
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+STARTER = starter()  # the default starter: SmolLM2-135M judged on tokq's default set

