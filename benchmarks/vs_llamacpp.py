@@ -515,7 +515,7 @@ def main() -> None:
     int4_peer = "Q4_1" if "Q4_1" in ggufs else "source"
     int4_peers = [p for p in ("Q4_1", "source", "Q4_0") if p in ggufs]
     configs = ([("tokq", name, mode) for name in models for mode in MODES
-                if mode == "native" or (mode == "eager" and name in ("bf16", "int4"))
+                if mode == "native" or (mode == "eager" and name in ("bf16", "int4") and not args.core)
                 or (mode == "graph" and name in graph_models)]
                + [("llama.cpp", name, None) for name in ggufs])
     runs: dict[str, list[float]] = {}
