@@ -74,6 +74,22 @@ def log_tail(path: Path, chars: int = 3000) -> str:
     return text[-chars:]
 
 
+def wait_measured(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, float | None]:
+    """Wait for `proc` (killed past `timeout_s`): its exit code (None: timed out) and its own peak RSS in MiB, from
+    os.wait4's rusage of that child alone (the children it waited for included), not of this process's others."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid == proc.pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss / 1024  # KiB on Linux
+        if time.monotonic() > deadline:
+            proc.kill()
+            os.wait4(proc.pid, 0)
+            return None, None
+        time.sleep(0.5)
+
+
 def run_peer(peer_python: str, checkpoint: Path, tokens: Path, method: str, group_size: int, work: Path,
              timeout_s: float, threads: int, log_dir: Path) -> dict:
     """One peer quantization in a subprocess; returns its record (status, meta, checkpoint dir)."""
@@ -84,13 +100,10 @@ def run_peer(peer_python: str, checkpoint: Path, tokens: Path, method: str, grou
     print(f"[{method}] peer: {' '.join(cmd)}  (log: {log_path})", flush=True)
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
-                                cwd=work).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        rc, peak_rss_mib = wait_measured(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work),
+                                         timeout_s)
     wall = time.perf_counter() - started
-    record = {"peer_wall_s": wall, "log": str(log_path)}
+    record = {"peer_wall_s": wall, "log": str(log_path), "peer_peak_rss_mib": peak_rss_mib}
     if rc is None:
         return {**record, "status": "timeout", "error": f"peer run exceeded {timeout_s / 60:.0f} min",
                 "log_tail": log_tail(log_path)}

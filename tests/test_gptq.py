@@ -258,3 +258,26 @@ def test_cuda_matches_cpu(layer, act_order):
     assert gpu.weight.q.device.type == "cuda" and gpu.weight.scale.device.type == "cuda"
     assert float((gpu.weight.q.cpu() == cpu.weight.q).float().mean()) > 0.99
     assert gpu.proxy_error == pytest.approx(cpu.proxy_error, rel=2e-2)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_solver_leaves_the_callers_hessian_exactly_as_given(act_order, caplog):
+    """Without act-order the solver damps the caller's own Hessian in place (so a 1.5B model's 321 MB down-projection
+    Hessian is held once); it must come back bit for bit, also after a damp retry and with dead input columns, and
+    give the same result as on a private copy."""
+    k = 128
+    x = llm_inputs(600, k, seed=3)
+    x[:, 7] = 0.0  # a dead input
+    h = (x.t() @ x) * (2.0 / x.shape[0])
+    shift = torch.linalg.eigvalsh(h).min() + 0.05 * h.diagonal().mean()
+    not_pd = h - shift * torch.eye(k)  # damp 0.01 fails, 0.1 succeeds
+    w = llm_weight(48, k)
+    args = WeightArgs(bits=4, symmetric=True, strategy="group", group_size=64)
+    for hessian in (h, not_pd):
+        given = hessian.clone()
+        with caplog.at_level(logging.WARNING):
+            result = gptq_quantize(w, given, args, act_order=act_order)
+        assert torch.equal(given, hessian)
+        again = gptq_quantize(w, hessian.clone(), args, act_order=act_order)
+        assert torch.equal(result.weight.q, again.weight.q) and result.proxy_error == again.proxy_error
+    assert result.damp_used == pytest.approx(0.1)

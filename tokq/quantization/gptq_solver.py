@@ -135,20 +135,33 @@ def _damp_schedule(damp: float) -> list[float]:
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float, layer: str) -> tuple[torch.Tensor, float]:
-    """(U, damp used): U upper Cholesky factor of (H + damp * mean(diag H) I)^-1."""
-    mean_diag = h.diagonal().mean()
+    """(U, damp used): U upper Cholesky factor of (H + damp * mean(diag H) I)^-1.
+
+    The damp goes onto h's own diagonal and the diagonal is put back exactly before returning: no copy of a
+    [K, K] matrix beyond the factor, its inverse and U, one after the other (at K = 8960, a 1.5B model's down
+    projection, each is 321 MB)."""
+    diag = h.diagonal().clone()
+    mean_diag = diag.mean()
     tried = []
-    for d in _damp_schedule(damp):
-        hd = h.clone()
-        hd.diagonal().add_(d * mean_diag)
-        chol, info = torch.linalg.cholesky_ex(hd)
-        if int(info) == 0:
-            u, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
-            if int(info) == 0 and bool(torch.isfinite(u).all()):
-                return u, d
-        tried.append(d)
-        log.warning("GPTQ %s: Hessian is not positive definite with damp %g; retrying with a larger damp",
-                    layer or "layer", d)
+    try:
+        for d in _damp_schedule(damp):
+            h.diagonal().copy_(diag + d * mean_diag)
+            chol, info = torch.linalg.cholesky_ex(h)
+            if int(info) == 0:
+                inverse = torch.cholesky_inverse(chol)
+                del chol
+                u, info = torch.linalg.cholesky_ex(inverse, upper=True)
+                del inverse
+                if int(info) == 0 and bool(torch.isfinite(u).all()):
+                    return u, d
+                del u
+            else:
+                del chol
+            tried.append(d)
+            log.warning("GPTQ %s: Hessian is not positive definite with damp %g; retrying with a larger damp",
+                        layer or "layer", d)
+    finally:
+        h.diagonal().copy_(diag)
     raise TokqError(
         f"GPTQ failed for {layer or 'a layer'}: its Hessian is not positive definite even with damp "
         f"{tried[-1]:g}; calibrate on more data (many more tokens than its {h.shape[0]} inputs) "
@@ -234,12 +247,13 @@ def _gptq_quantize(
 
     device = w.device
     w_orig = w.detach().float()
+    # The caller's tensor itself when it is fp32 on this device: the proxy error reads it undamped at the end, and
+    # without act-order the solver works on it in place (its diagonal put back exactly), so a large layer's
+    # Hessian is held once rather than twice.
     h_orig = hessian.detach().to(device=device, dtype=torch.float32)
     W = w_orig.clone()
-    H = h_orig.clone()
 
-    dead = H.diagonal() == 0
-    H.diagonal()[dead] = 1.0
+    dead = h_orig.diagonal() == 0
     W[:, dead] = 0.0
 
     per_channel = args.strategy == CHANNEL
@@ -257,15 +271,27 @@ def _gptq_quantize(
         scale, zero = grid(W)  # per channel: [N, 1]; static groups: [N, G]
 
     if act_order:
-        perm = torch.sort(H.diagonal(), descending=True, stable=True).indices
+        key = h_orig.diagonal().clone()
+        key[dead] = 1.0
+        perm = torch.sort(key, descending=True, stable=True).indices
         W = W[:, perm]
-        H = H[perm][:, perm]
+        rows = h_orig.index_select(0, perm)
+        H = rows.index_select(1, perm)
+        del rows
+        dead_here = dead[perm]
         group_of = (perm // gs).tolist()
     else:
         perm = None
+        H = h_orig
+        dead_here = dead
         group_of = [c // gs for c in range(k)]
 
-    U, damp_used = _inverse_cholesky(H, damp, layer)
+    H.diagonal()[dead_here] = 1.0  # a column no input reaches: any positive value keeps H invertible
+    try:
+        U, damp_used = _inverse_cholesky(H, damp, layer)
+    finally:
+        H.diagonal()[dead_here] = 0.0  # (h_orig's own diagonal when H is h_orig: exactly as it came)
+    del H
 
     codes = torch.empty(n, k, device=device)
     deq = torch.empty(n, k, device=device)
