@@ -97,11 +97,13 @@ class HessianAccumulator:
         x = x.detach().reshape(-1, self.in_features).float()
         if x.shape[0] == 0:
             return
-        xtx = (x.t() @ x).double()
+        xtx = x.t() @ x
         if self._sum is None:
-            self._sum = xtx
+            self._sum = xtx.double()
         else:
-            self._sum += xtx.to(self._sum.device)
+            # added in place, each fp32 element widened as it is read: no float64 copy of the batch's x^T x beside
+            # the sum (at K = 8960: 642 MB less at the peak)
+            self._sum.add_(xtx.to(self._sum.device))
         self._n += x.shape[0]
 
     @property
