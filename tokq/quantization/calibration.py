@@ -204,6 +204,22 @@ class BlockSource(Protocol):
     def done(self, index: int, block: nn.Module) -> None: ...
 
 
+# The widest activation one micro-batch of calibration windows makes in a block (fp32) is kept under this: a
+# 1.5B model's MLP is 8960 wide (17920 out of its fused gate/up projection), so 8 windows of 512 tokens made
+# 294 + 147 + 147 MB tensors at once beside
+# GPTQ's Hessians and set the streamed quantize's peak memory. Matmuls of a few windows are as fast per token.
+MICRO_BATCH_BYTES = 128 * 2**20
+
+
+def micro_batch_size(config, seq_len: int, most: int = 8) -> int:
+    """Calibration windows run through a block at once: `most`, or fewer where one window's widest fp32
+    activation (the MLP's intermediate, the attention's projections, or its [heads, T, T] scores) times that
+    many would pass MICRO_BATCH_BYTES."""
+    widest = max(config.intermediate_size * 2, config.hidden_size, config.num_heads * config.head_dim,
+                 config.num_heads * seq_len)  # gate and up come out of one fused projection
+    return max(1, min(most, MICRO_BATCH_BYTES // (4 * seq_len * widest)))
+
+
 class BlockwiseRunner:
     """Walk the decoder blocks in order with calibration activations (see module docstring). With `blocks`, each
     block is loaded when the walk reaches it and handed back once it has fed the next one."""

@@ -19,7 +19,13 @@ from types import ModuleType
 
 from tokq.engine.models import CausalLM
 from tokq.errors import ConfigError
-from tokq.quantization.calibration import BlockContext, BlockSource, BlockwiseRunner, CalibrationSet
+from tokq.quantization.calibration import (
+    BlockContext,
+    BlockSource,
+    BlockwiseRunner,
+    CalibrationSet,
+    micro_batch_size,
+)
 from tokq.quantization.layer_schemes import LayerSchemes, candidate_linears
 from tokq.quantization.methods import awq, gptq, rtn, smoothquant
 from tokq.quantization.methods.options import MethodOptions
@@ -60,7 +66,7 @@ def quantize_model(
     calibration: CalibrationSet | None = None,
     options: MethodOptions | None = None,
     on_block: Callable[[int], None] | None = None,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     blocks: BlockSource | None = None,
 ) -> MethodRun:
     """Quantize `model` in place with `method`: one scheme for every Linear, or a `LayerSchemes` giving each
@@ -73,6 +79,8 @@ def quantize_model(
         check_method_scheme(method, scheme)
     options = options or MethodOptions()
     module = METHODS[method]
+    if batch_size is None:  # calibration windows per block forward: fewer for wide models (calibration.py)
+        batch_size = micro_batch_size(model.config, calibration.seq_len) if calibration is not None else 8
     if method in NEEDS_CALIBRATION and calibration is None:
         raise ConfigError(f"{method} needs calibration data (--calib DIR)")
     started = time.perf_counter()

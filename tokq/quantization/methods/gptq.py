@@ -34,14 +34,13 @@ def quantize_block(ctx: BlockContext, scheme: QuantScheme | LayerSchemes, option
         stop = step[-1] if all(n in EXECUTION_ORDER for n in step) else None
         ctx.capture({n: linears[n] for n in step}, lambda n, x, h=hessians: h[n].add(x), stop_after=stop)
         for n in step:
-            # the float64 sum is dropped as its fp32 Hessian is made, before the solver's own [K, K] matrices
-            hessian = hessians.pop(n).hessian
+            # the accumulator itself: the solver turns its float64 sum into the fp32 Hessian in place and holds the only
+            # reference to it (a 1.5B model's down projection: 642 + 321 MB freed as soon as the solve allows)
             result = gptq_quantize(
-                linears[n].weight.float(), hessian, schemes[n].weights, act_order=options.act_order,
+                linears[n].weight.float(), hessians.pop(n), schemes[n].weights, act_order=options.act_order,
                 damp=options.damp, block_size=options.gptq_block_size, layer_name=f"model.layers.{ctx.index}.{n}",
                 scale_search=options.gptq_scale_search,
             )
-            del hessian
             stats[n] = {"proxy_error": result.proxy_error, "damp": result.damp_used}
             act = schemes[n].activations.name if schemes[n].activations else None
             quantize_linear_(linears[n], result.weight, act)
