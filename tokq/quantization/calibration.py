@@ -206,8 +206,8 @@ class BlockSource(Protocol):
 
 # The widest activation one micro-batch of calibration windows makes in a block (fp32) is kept under this: a
 # 1.5B model's MLP is 8960 wide (17920 out of its fused gate/up projection), so 8 windows of 512 tokens made
-# 294 + 147 + 147 MB tensors at once beside
-# GPTQ's Hessians and set the streamed quantize's peak memory. Matmuls of a few windows are as fast per token.
+# 294 + 147 + 147 MB tensors at once beside GPTQ's Hessians and set the streamed quantize's peak memory.
+# Matmuls of a few windows are as fast per token.
 MICRO_BATCH_BYTES = 128 * 2**20
 
 
