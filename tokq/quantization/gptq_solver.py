@@ -266,9 +266,9 @@ def _gptq_quantize(
 
     device = w.device
     w_orig = w.detach().float()
-    # The caller's tensor itself when it is fp32 on this device: the proxy error reads it undamped at the end, and
-    # without act-order the solver works on it in place (its diagonal put back exactly), so a large layer's
-    # Hessian is held once rather than twice.
+    # The given (or taken) tensor itself when it is fp32 on this device: without act-order the solver works on it
+    # in place (its diagonal put back exactly, so the proxy error reads it undamped at the end); with act-order its
+    # permuted copy replaces it. Either way a large layer's Hessian is held once, not twice.
     h_orig = hessian.detach().to(device=device, dtype=torch.float32)
     W = w_orig.clone()
 
